@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates/updates the project venv, builds the
+# Cython kernels, then runs what was asked.
+#
+#   bash scripts/run.sh test [PYTEST_ARGS...]   # the test suite
+#   bash scripts/run.sh train [TRAIN_ARGS...]   # the main job: 2 workers + 2 servers, slimgc 2bit, MNIST-1D
+#   bash scripts/run.sh setup                   # only install and build
+#   bash scripts/run.sh python ARGS...          # the venv's python (e.g. -m slimgc_mx.bench codecs)
+#
+# Environment: SLIMGC_VENV (default .venv), SLIMGC_PYTHON (default python3.11, else python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV=${SLIMGC_VENV:-$ROOT/.venv}
+BASE_PY=${SLIMGC_PYTHON:-$(command -v python3.11 || command -v python3)}
+
+log() { echo "[run.sh] $*" >&2; }
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating virtual environment $VENV"
+        "$BASE_PY" -m venv "$VENV"
+    fi
+    local stamp="$VENV/.slimgc-requirements.sha256"
+    local want
+    want=$(cat requirements.txt setup.py pyproject.toml | sha256sum | cut -d' ' -f1)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        log "installing pinned dependencies (requirements.txt)"
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install -q -r requirements.txt
+        "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+        echo "$want" > "$stamp"
+    fi
+    # Incremental: cythonize and build_ext skip what is up to date.
+    "$VENV/bin/python" setup.py -q build_ext --inplace >/dev/null
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    setup)
+        setup ;;
+    test)
+        setup
+        [ $# -eq 0 ] && set -- tests
+        exec "$VENV/bin/python" -m pytest -q "$@" ;;
+    train)
+        setup
+        exec "$VENV/bin/python" -m slimgc_mx.launch -n 2 -s 2 --launcher local \
+            "$VENV/bin/python" scripts/train.py --kvstore slimgc --compressor 2bit \
+            --model cnn1d --dataset mnist1d "$@" ;;
+    python)
+        setup
+        exec "$VENV/bin/python" "$@" ;;
+    *)
+        echo "usage: bash scripts/run.sh {test|train|setup|python} [ARGS...]" >&2
+        exit 2 ;;
+esac
