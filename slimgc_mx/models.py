@@ -1,0 +1,177 @@
+"""Gluon models for the training job and the benchmarks, selected by name.
+
+Every model is a HybridBlock built from stock Gluon layers, so it can be hybridized.
+The set spans the tensor-size mixes the SlimGC strategies care about: `cnn1d` has
+many tiny tensors, `resnet20` many small BN/conv tensors, `vgg` a few huge FC ones.
+"""
+from mxnet import gluon
+from mxnet.gluon import nn
+
+__all__ = ["MODELS", "get_model", "count_params"]
+
+
+class MLP(nn.HybridBlock):
+    """Fully connected ReLU network on flattened inputs (any input shape)."""
+
+    def __init__(self, num_classes, hidden=(256, 256), **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.body = nn.HybridSequential(prefix="")
+            self.body.add(nn.Flatten())
+            for width in hidden:
+                self.body.add(nn.Dense(width, activation="relu"))
+            self.body.add(nn.Dense(num_classes))
+
+    def hybrid_forward(self, F, x):
+        return self.body(x)
+
+
+class CNN1D(nn.HybridBlock):
+    """Small 1-D conv net for (L,) or (C, L) signals such as MNIST-1D.
+
+    Tensors range from 32 (biases) and 160 (first conv) elements up to tens of
+    thousands (the dense layer), so a communication threshold splits them.
+    """
+
+    def __init__(self, num_classes, channels=(32, 64, 64), hidden=128, add_channel_axis=True,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self._add_channel_axis = add_channel_axis
+        with self.name_scope():
+            self.body = nn.HybridSequential(prefix="")
+            c1, c2, c3 = channels
+            self.body.add(nn.Conv1D(c1, kernel_size=5, padding=2, activation="relu"))
+            self.body.add(nn.Conv1D(c2, kernel_size=3, strides=2, padding=1, activation="relu"))
+            self.body.add(nn.Conv1D(c3, kernel_size=3, strides=2, padding=1, activation="relu"))
+            self.body.add(nn.Flatten())
+            self.body.add(nn.Dense(hidden, activation="relu"))
+            self.body.add(nn.Dense(num_classes))
+
+    def hybrid_forward(self, F, x):
+        if self._add_channel_axis:
+            x = F.expand_dims(x, axis=1)  # (N, L) -> (N, 1, L)
+        return self.body(x)
+
+
+class BasicBlock(nn.HybridBlock):
+    """CIFAR ResNet basic block: two 3x3 conv+BN, identity or 1x1 conv+BN shortcut."""
+
+    def __init__(self, channels, stride, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.body = nn.HybridSequential(prefix="")
+            self.body.add(nn.Conv2D(channels, 3, strides=stride, padding=1, use_bias=False))
+            self.body.add(nn.BatchNorm())
+            self.body.add(nn.Activation("relu"))
+            self.body.add(nn.Conv2D(channels, 3, strides=1, padding=1, use_bias=False))
+            self.body.add(nn.BatchNorm())
+            self.shortcut = None
+            if stride != 1:
+                self.shortcut = nn.HybridSequential(prefix="sc_")
+                self.shortcut.add(nn.Conv2D(channels, 1, strides=stride, use_bias=False))
+                self.shortcut.add(nn.BatchNorm())
+
+    def hybrid_forward(self, F, x):
+        residual = x if self.shortcut is None else self.shortcut(x)
+        return F.Activation(self.body(x) + residual, act_type="relu")
+
+
+class ResNetCIFAR(nn.HybridBlock):
+    """ResNet-(6n+2) for 32x32 images (He et al. 2016, CIFAR variant); n=3 is ResNet-20."""
+
+    def __init__(self, num_classes, n=3, widths=(16, 32, 64), **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.features = nn.HybridSequential(prefix="")
+            self.features.add(nn.Conv2D(widths[0], 3, padding=1, use_bias=False))
+            self.features.add(nn.BatchNorm())
+            self.features.add(nn.Activation("relu"))
+            for stage, width in enumerate(widths):
+                for i in range(n):
+                    stride = 2 if (stage > 0 and i == 0) else 1
+                    self.features.add(BasicBlock(width, stride))
+            self.features.add(nn.GlobalAvgPool2D())
+            self.output = nn.Dense(num_classes)
+
+    def hybrid_forward(self, F, x):
+        return self.output(self.features(x))
+
+
+class VGG(nn.HybridBlock):
+    """VGG-style net for 32x32 images: conv+BN features, then two 4096-wide FC layers.
+
+    Communication-heavy on purpose: ~30M parameters, ~85% of them in the FC layers.
+    """
+
+    def __init__(self, num_classes, cfg=(64, "M", 128, "M", 256, 256, "M", 512, 512, "M"),
+                 fc=4096, dropout=0.5, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.features = nn.HybridSequential(prefix="")
+            for v in cfg:
+                if v == "M":
+                    self.features.add(nn.MaxPool2D(pool_size=2, strides=2))
+                else:
+                    self.features.add(nn.Conv2D(v, 3, padding=1, use_bias=False))
+                    self.features.add(nn.BatchNorm())
+                    self.features.add(nn.Activation("relu"))
+            self.classifier = nn.HybridSequential(prefix="")
+            self.classifier.add(nn.Flatten())
+            for _ in range(2):
+                self.classifier.add(nn.Dense(fc, activation="relu"))
+                if dropout:
+                    self.classifier.add(nn.Dropout(dropout))
+            self.classifier.add(nn.Dense(num_classes))
+
+    def hybrid_forward(self, F, x):
+        return self.classifier(self.features(x))
+
+
+def _mlp(num_classes, input_shape):
+    return MLP(num_classes)
+
+
+def _cnn1d(num_classes, input_shape):
+    if len(input_shape) not in (1, 2):
+        raise ValueError("cnn1d needs (L,) or (C, L) inputs, got input_shape=%r" % (input_shape,))
+    return CNN1D(num_classes, add_channel_axis=len(input_shape) == 1)
+
+
+def _image(builder, name):
+    def make(num_classes, input_shape):
+        if len(input_shape) != 3:
+            raise ValueError("%s needs (C, H, W) inputs, got input_shape=%r" % (name, input_shape))
+        return builder(num_classes)
+    return make
+
+
+MODELS = {
+    "mlp": _mlp,
+    "cnn1d": _cnn1d,
+    "resnet20": _image(lambda k: ResNetCIFAR(k, n=3), "resnet20"),
+    "vgg": _image(VGG, "vgg"),
+}
+
+
+def get_model(name, num_classes, input_shape):
+    """Build the (uninitialized) model `name` for `num_classes` and per-sample `input_shape`."""
+    if name not in MODELS:
+        raise ValueError("unknown model %r; valid names: %s" % (name, ", ".join(sorted(MODELS))))
+    return MODELS[name](int(num_classes), tuple(int(d) for d in input_shape))
+
+
+def count_params(net, trainable_only=True):
+    """(number of elements, number of tensors) of an initialized net's parameters.
+
+    trainable_only skips BN running statistics (grad_req 'null'), which are never communicated.
+    """
+    elems = tensors = 0
+    for p in net.collect_params().values():
+        if trainable_only and p.grad_req == "null":
+            continue
+        n = 1
+        for d in p.shape:
+            n *= d
+        elems += n
+        tensors += 1
+    return elems, tensors
