@@ -4,7 +4,6 @@ Every process runs the same COMMAND; only DMLC_* variables tell it its role.
 Usage: python -m slimgc_mx.launch -n 2 -s 2 python train.py   (see docs/launcher.md)
 """
 import argparse
-import ctypes
 import errno
 import logging
 import os
@@ -108,19 +107,6 @@ def shell_command(command: List[str]) -> str:
 
 # ---------------------------------------------------------------- node runners
 
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-_launcher_pid = os.getpid()
-
-
-def _child_setup():
-    """In the child before exec: die with the launcher (PR_SET_PDEATHSIG), even if it is SIGKILLed."""
-    _libc.prctl(1, signal.SIGKILL)
-    if os.getppid() != _launcher_pid:  # the launcher died before prctl took effect
-        os._exit(1)
-
-
 class Runner:
     """How to start a command with extra environment on one node; subclass for new node kinds.
 
@@ -128,8 +114,6 @@ class Runner:
     killed), with stdout/stderr as pipes. A runner must make the job on the node end when
     that process is killed.
     """
-
-    name = "runner"
 
     def start(self, node: Optional[str], command: List[str], env: Dict[str, str],
               cwd: str) -> subprocess.Popen:
@@ -140,14 +124,11 @@ class Runner:
               stdin=subprocess.DEVNULL) -> subprocess.Popen:
         """Popen in a new session with piped output: the common part of every runner."""
         return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_child_setup if _libc else None)
+                                stderr=subprocess.PIPE, start_new_session=True)
 
 
 class LocalRunner(Runner):
     """Run on this machine with the launcher's environment plus `env`."""
-
-    name = "local"
 
     def start(self, node, command, env, cwd):
         argv = ["/bin/sh", "-c", command[0]] if len(command) == 1 else list(command)
@@ -155,19 +136,20 @@ class LocalRunner(Runner):
 
 
 # Remote side of an ssh task: run the job in its own session and kill that session when
-# stdin reaches EOF, i.e. when the launcher's ssh client dies or the launcher closes it.
+# stdin reaches EOF (the launcher's ssh client died or the launcher closed it), and when
+# the job's main process exits (no grandchild outlives it).
+# (fd 3 keeps stdin: a background list without job control otherwise reads /dev/null.)
 _REMOTE_WATCH = (
-    'if command -v setsid >/dev/null 2>&1; then setsid sh -c "$1" </dev/null & '
-    'else sh -c "$1" </dev/null & fi; c=$!; '
-    '(cat >/dev/null; kill -TERM -$c || kill -TERM $c; sleep {grace}; kill -KILL -$c) 2>/dev/null & '
-    'w=$!; wait $c; s=$?; kill $w 2>/dev/null; exit $s'
+    'exec 3<&0; if command -v setsid >/dev/null 2>&1; then setsid sh -c "$1" </dev/null 3<&- & '
+    'else sh -c "$1" </dev/null 3<&- & fi; c=$!; '
+    '(cat <&3 >/dev/null; kill -TERM -$c || kill -TERM $c; sleep {grace}; kill -KILL -$c) '
+    '2>/dev/null & w=$!; exec 3<&-; wait $c; s=$?; kill $w 2>/dev/null; '
+    'kill -TERM -$c 2>/dev/null && sleep 1 && kill -KILL -$c 2>/dev/null; exit $s'
 )
 
 
 class SshRunner(Runner):
     """Run on a host through `ssh -o StrictHostKeyChecking=no HOST 'cd DIR && export ... && CMD'`."""
-
-    name = "ssh"
 
     def __init__(self, ssh: List[str], ports: Dict[str, Optional[int]], kill_grace: float):
         self.ssh = ssh
@@ -299,6 +281,40 @@ def build_plan(args) -> List[Task]:
 
 # ---------------------------------------------------------------- running the job
 
+# The reaper outlives a launcher killed with SIGKILL: it reads the process-group ids of the
+# job's tasks from stdin and, at EOF (the launcher ended, however), stops those still alive.
+_REAPER = """
+import os, signal, sys, time
+groups = [int(line) for line in sys.stdin]
+def alive():
+    left = []
+    for g in groups:
+        try:
+            os.killpg(g, 0)
+            left.append(g)
+        except OSError:
+            pass
+    return left
+def send(gs, sig):
+    for g in gs:
+        try:
+            os.killpg(g, sig)
+        except OSError:
+            pass
+send(alive(), signal.SIGTERM)
+end = time.monotonic() + float(sys.argv[1])
+while alive() and time.monotonic() < end:
+    time.sleep(0.05)
+send(alive(), signal.SIGKILL)
+"""
+
+
+def start_reaper(kill_grace: float) -> subprocess.Popen:
+    """Start the guard process that cleans up after a launcher that died without teardown."""
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(kill_grace)], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+
+
 class _Interrupted(Exception):
     """The launcher got SIGINT/SIGTERM/SIGHUP: tear the job down and exit 128+signal."""
 
@@ -335,9 +351,10 @@ class Job:
                 t.proc = t.runner.start(t.node, self.command, t.env, self.cwd)
             except OSError as e:
                 raise LaunchError(f"cannot start {t.label}: {e}") from None
+            self.reaper.stdin.write(f"{t.proc.pid}\n".encode())
+            self.reaper.stdin.flush()
             where = f" on {t.node}" if t.node else ""
             log.debug("started %s%s (pid %d)", t.label, where, t.proc.pid)
-        # Threads only after every fork: the pre-exec hook must not run while threads hold locks.
         for t in self.plan:
             prefix = f"[{t.label}] ".encode()
             for stream, sink in ((t.proc.stdout, sys.stdout), (t.proc.stderr, sys.stderr)):
@@ -439,6 +456,7 @@ class Job:
                 raise _Interrupted(signum)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        self.reaper = start_reaper(self.kill_grace)
         try:
             self._start_all()
             return self._wait()
@@ -450,6 +468,8 @@ class Job:
                 self.teardown()
             except _Interrupted:
                 self.teardown()
+            self.reaper.stdin.close()  # nothing left for it to do: it exits
+            self.reaper.wait()
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -457,7 +477,7 @@ class Job:
 # ---------------------------------------------------------------- command line
 
 def build_parser() -> argparse.ArgumentParser:
-    """The launch.py-compatible options plus a few of our own."""
+    """The launch.py-compatible options plus a few of our own, each help naming its default."""
     p = argparse.ArgumentParser(
         prog="slimgc-launch",
         description="Launch an MXNet parameter-server job: 1 scheduler, S servers and W workers, "
@@ -465,61 +485,77 @@ def build_parser() -> argparse.ArgumentParser:
                     "prefixed [scheduler], [server I], [worker I] (launch index; MXNet's kv.rank "
                     "may differ). Exit status: the workers' (0 when all succeed), 128+N when a "
                     "process is killed by signal N, 2 for usage errors.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog="examples:\n"
+               "  slimgc-launch -n 2 -s 2 python scripts/train.py\n"
+               "  slimgc-launch -n 4 -H hosts --env OMP_NUM_THREADS:2 python scripts/train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--num-workers", required=True, type=int,
-                   help="number of worker processes")
+                   help="number of worker processes (required)")
     p.add_argument("-s", "--num-servers", type=int, default=None,
-                   help="number of server processes (None: same as --num-workers)")
+                   help="number of server processes (default: same as -n)")
     p.add_argument("--launcher", choices=["local", "ssh", "mpi", "sge", "yarn"], default=None,
-                   help="where processes run (None: ssh when -H is given, else local); "
+                   help="where processes run (default: ssh when -H is given, else local); "
                         "mpi, sge, yarn are not supported")
     p.add_argument("-H", "--hostfile", default=None,
-                   help="file with one HOST or HOST:SSH_PORT per line, for --launcher ssh")
+                   help="file with one HOST or HOST:SSH_PORT per line; needed for ssh "
+                        "(default: none)")
     p.add_argument("--sync-dst-dir", default=None,
                    help="not supported: copy the code to the hosts yourself, then use --remote-dir")
     p.add_argument("--env", action="append", default=[], metavar="NAME[:VALUE]",
-                   help="set NAME=VALUE for every process; NAME alone passes this shell's value "
-                        "(repeatable)")
+                   help="set NAME=VALUE for every process; NAME alone passes this shell's value; "
+                        "repeatable (default: none)")
     p.add_argument("--env-server", action="append", default=[], metavar="NAME[:VALUE]",
-                   help="like --env, for servers only; wins over --env (repeatable)")
+                   help="like --env, for servers only, wins over --env (default: none)")
     p.add_argument("--env-worker", action="append", default=[], metavar="NAME[:VALUE]",
-                   help="like --env, for workers only; wins over --env (repeatable)")
+                   help="like --env, for workers only, wins over --env (default: none)")
     p.add_argument("--p3", action="store_true",
-                   help="use the P3 van (DMLC_PS_VAN_TYPE=p3, DMLC_PS_WATER_MARK=10)")
+                   help="use the P3 van: DMLC_PS_VAN_TYPE=p3, DMLC_PS_WATER_MARK=10 (default: off)")
     p.add_argument("--port", type=int, default=0,
-                   help="scheduler port DMLC_PS_ROOT_PORT (0: a free port picked here)")
+                   help="scheduler port DMLC_PS_ROOT_PORT (default: 0 = a free port picked here)")
     p.add_argument("--root-uri", default=None,
-                   help="scheduler address DMLC_PS_ROOT_URI (None: 127.0.0.1 for local, "
-                        "--scheduler-host or this machine's address toward the first host for ssh)")
+                   help="scheduler address DMLC_PS_ROOT_URI (default: 127.0.0.1 for local; for "
+                        "ssh the --scheduler-host, else this machine's address toward the first host)")
     p.add_argument("--scheduler-host", default=None,
-                   help="ssh: run the scheduler on this host (None: on this machine, as launch.py)")
-    p.add_argument("--remote-dir", default=os.getcwd(),
-                   help="ssh: directory to cd into on every host")
+                   help="ssh: run the scheduler on this host (default: on this machine, "
+                        "as launch.py does)")
+    p.add_argument("--remote-dir", default=None,
+                   help="ssh: directory to cd into on every host (default: the current directory)")
     p.add_argument("--ssh", default=os.environ.get("SLIMGC_SSH", "ssh"),
-                   help="ssh program and leading arguments (env SLIMGC_SSH)")
+                   help="ssh program and leading arguments (default: $SLIMGC_SSH, else ssh; "
+                        "now %(default)r)")
     p.add_argument("--linger", type=float, default=DEFAULT_LINGER,
-                   help="seconds servers/scheduler may run on after all workers succeeded")
+                   help="seconds servers/scheduler may run on after all workers succeeded, "
+                        "then they are terminated (default: %(default)s)")
     p.add_argument("--kill-grace", type=float, default=DEFAULT_KILL_GRACE,
-                   help="seconds between SIGTERM and SIGKILL when stopping processes")
-    p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="launcher log level")
+                   help="seconds between SIGTERM and SIGKILL when stopping processes "
+                        "(default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="launcher log level (default: %(default)s)")
     p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="the command every process runs; one argument is a shell string")
+                   help="what every process runs: one argument is a shell string, several an argv")
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Console entry point (slimgc-launch): parse, plan, run; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="[launcher] %(levelname)s %(message)s")
+def parse_args(argv: Optional[List[str]] = None, parser=None) -> argparse.Namespace:
+    """Parse the command line and fill in the defaults that depend on other options."""
+    args = (parser or build_parser()).parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if args.num_servers is None:
         args.num_servers = args.num_workers
     if args.launcher is None:
         args.launcher = "ssh" if args.hostfile else "local"
+    if args.remote_dir is None:
+        args.remote_dir = os.getcwd()
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Console entry point (slimgc-launch): parse, plan, run; returns the exit status."""
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="[launcher] %(levelname)s %(message)s")
     try:
         plan = build_plan(args)
         job = Job(plan, args.command, args.remote_dir if args.launcher == "ssh" else os.getcwd(),
