@@ -29,6 +29,10 @@ class LaunchError(Exception):
     """A problem with the options or the environment, reported as a usage error (exit 2)."""
 
 
+class StartError(Exception):
+    """A task's command could not be started at all (exit 127, as a shell does)."""
+
+
 # ---------------------------------------------------------------- option parsing helpers
 
 def parse_env_items(items: List[str], option: str) -> Dict[str, str]:
@@ -350,7 +354,7 @@ class Job:
             try:
                 t.proc = t.runner.start(t.node, self.command, t.env, self.cwd)
             except OSError as e:
-                raise LaunchError(f"cannot start {t.label}: {e}") from None
+                raise StartError(f"cannot start {t.label}: {e}") from None
             self.reaper.stdin.write(f"{t.proc.pid}\n".encode())
             self.reaper.stdin.flush()
             where = f" on {t.node}" if t.node else ""
@@ -364,15 +368,16 @@ class Job:
                 t.threads.append(th)
 
     def _poll(self) -> Optional[Task]:
-        """Record exits; return the first task found dead with a failure, if any."""
-        failed = None
+        """Record exits; return a task newly found failed (a worker if several), if any."""
+        failed = []
         for t in self.plan:
             if t.proc and t.status is None and t.proc.poll() is not None:
                 t.status = t.proc.returncode
                 log.debug("%s %s", t.label, describe_status(t.status))
-                if t.status != 0 and failed is None:
-                    failed = t
-        return failed
+                if t.status != 0:
+                    failed.append(t)
+        failed.sort(key=lambda t: t.role != "worker")
+        return failed[0] if failed else None
 
     def _wait(self) -> int:
         workers = [t for t in self.plan if t.role == "worker"]
@@ -484,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "each running the same COMMAND with DMLC_ROLE etc. set. Output lines are "
                     "prefixed [scheduler], [server I], [worker I] (launch index; MXNet's kv.rank "
                     "may differ). Exit status: the workers' (0 when all succeed), 128+N when a "
-                    "process is killed by signal N, 2 for usage errors.",
+                    "process is killed by signal N, 2 for usage errors, 127 when COMMAND cannot start.",
         epilog="examples:\n"
                "  slimgc-launch -n 2 -s 2 python scripts/train.py\n"
                "  slimgc-launch -n 4 -H hosts --env OMP_NUM_THREADS:2 python scripts/train.py",
@@ -564,6 +569,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                  args.launcher, args.num_servers, args.num_workers,
                  plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"])
         return job.run()
+    except StartError as e:
+        log.error("%s", e)
+        return 127
     except LaunchError as e:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

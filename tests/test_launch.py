@@ -352,6 +352,12 @@ def test_occupied_port_is_named_with_the_fix(job):
     assert not read_pids(job.out)
 
 
+def test_command_that_cannot_start(job):
+    code, _, stderr = job.run(["-n", "1", "-s", "0"], ["no-such-program-slimgc", "x"])
+    assert code == 127
+    assert "cannot start scheduler" in stderr and "no-such-program-slimgc" in stderr
+
+
 def test_unsupported_options_say_so(job):
     code, _, stderr = job.run(["-n", "1", "--sync-dst-dir", "/x"], job.cmd("env"))
     assert code == 2 and "--sync-dst-dir is not supported" in stderr
