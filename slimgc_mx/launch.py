@@ -380,6 +380,7 @@ class Job:
         return failed[0] if failed else None
 
     def _wait(self) -> int:
+        """Until a failure or the workers' end (plus --linger for the rest); the exit status."""
         workers = [t for t in self.plan if t.role == "worker"]
         others = [t for t in self.plan if t.role != "worker"]
         while True:
@@ -396,7 +397,7 @@ class Job:
             self._poll()
         lingering = [t.label for t in others if t.status is None]
         if lingering:
-            log.warning("all workers succeeded but %s still ran %.0f s later; terminating them",
+            log.warning("all workers succeeded but %s still ran %g s later; terminating them",
                         ", ".join(lingering), self.linger)
         for t in others:
             if t.status not in (None, 0):
