@@ -1,0 +1,25 @@
+"""none: full-precision passthrough; the lanes are the float32 gradient itself."""
+import numpy as np
+
+from .base import Codec, check_num_workers, kernels
+
+
+class NoneCodec(Codec):
+    """Sends grad (+ residual, which it then zeroes) as float32; decode returns the sum."""
+
+    name = "none"
+    wire_dtype = np.dtype(np.float32)
+
+    def geometry(self, num_workers):
+        """No packing: one element per float32 lane, for any number of workers."""
+        check_num_workers(num_workers)
+        return None, 1
+
+    def _affine(self):
+        return 1.0, 1, 0
+
+    def _encode_into(self, grad, residual, out, radix, k):
+        kernels().encode_none(grad, residual, out, self.num_threads)
+
+    def _decode_into(self, lanes_sum, out, num_workers, radix, k):
+        np.copyto(out, lanes_sum)

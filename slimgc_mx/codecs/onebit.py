@@ -1,0 +1,46 @@
+"""1bit: sign with error feedback and a scale all workers share (EF-signSGD, aggregatable).
+
+Level q = 1 if r + g >= 0 else 0 decodes to s * (2q - 1). Every worker appends one
+float64 trailer lane, its mean |g + r| at this push; decode() sets the scale of the
+NEXT push to (trailer sum) / N, a value every worker receives identically. The first
+push has s = 0: it sends only the statistic and error feedback keeps the gradient.
+"""
+from .base import Codec, kernels, partials_buffer
+
+
+class OneBit(Codec):
+    """Sign codec, L = 2, shared scale from the previous push's aggregated mean |g + r|.
+
+    `threshold` is accepted for a uniform create() call and ignored: the scale adapts.
+    """
+
+    name = "1bit"
+    levels = 2
+    trailer_lanes = 1
+
+    def __init__(self, threshold=None, num_threads=None):
+        super().__init__(threshold=threshold, num_threads=num_threads)
+        self.scale = 0.0
+
+    def _affine(self):
+        return self.scale, 2, -1
+
+    def _agree(self, mean_stat):
+        self.scale = float(mean_stat)
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["scale"] = self.scale
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        scale = float(state["scale"])
+        if not scale >= 0 or scale == float("inf"):
+            raise ValueError("1bit scale must be finite and >= 0, got %r" % (state["scale"],))
+        self.scale = scale
+
+    def _encode_into(self, grad, residual, out, radix, k):
+        return kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
+                                     self._own_values(), partials_buffer(out.shape[0]),
+                                     self.num_threads)
