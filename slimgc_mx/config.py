@@ -1,0 +1,145 @@
+"""SlimGCConfig: every option of the kvstore, validated once, from one of three sources.
+
+Precedence (later wins): defaults < SLIMGC_* environment < constructor kwargs /
+Trainer's `compression_params`. The environment is read here and nowhere else.
+"""
+import dataclasses
+import math
+import os
+from typing import Optional, Union
+
+from . import codecs
+
+ENV_PREFIX = "SLIMGC_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclasses.dataclass
+class SlimGCConfig:
+    """Options of the SlimGC kvstore (see docs/configuration.md).
+
+    compressor      codec name: none, 1bit, 2bit, 4bit
+    threshold       the codec's threshold (2bit: t; 1bit: unused unless > 0 fixes the scale)
+    comm_threshold  'auto' (warm-up builds the CTTab), a size in bytes (tensors of at least
+                    that many bytes are compressed), or 'off' (compress every tensor)
+    warmup_steps    warm-up steps of the CTTab (alternating compressed / full precision)
+    backup          model backup: loc_buf/glo_buf, the next step starts before aggregation ends
+    offload         encode/decode on CPU threads with the Cython codecs (else NDArray ops)
+    loc_lr          learning rate of the local update (default: the global optimizer's)
+    loc_optimizer   optimizer name of the local update (default: a copy of the global one)
+    num_threads     CPU threads of the codecs (default: all available cores)
+    timeout         seconds the training thread waits for one aggregation before it raises
+    audit_every     compare global-weight checksums across workers every K steps (0: off)
+    """
+
+    compressor: str = "2bit"
+    threshold: float = 0.5
+    comm_threshold: Union[str, int] = "auto"
+    warmup_steps: int = 20
+    backup: bool = True
+    offload: bool = True
+    loc_lr: Optional[float] = None
+    loc_optimizer: Optional[str] = None
+    num_threads: Optional[int] = None
+    timeout: float = 600.0
+    audit_every: int = 0
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def field_names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_sources(cls, options=None, environ=None):
+        """Build from SLIMGC_* variables in `environ`, overridden by `options` (a dict)."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for name in cls.field_names():
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw != "":
+                values[name] = _parse(name, raw, ENV_PREFIX + name.upper())
+        values.update(normalize_options(options or {}))
+        return cls(**values)
+
+    def replace(self, options):
+        """A copy with `options` (a dict, e.g. Trainer's compression_params) applied."""
+        return dataclasses.replace(self, **normalize_options(options))
+
+    def validate(self):
+        if self.compressor not in codecs.available():
+            raise ValueError("unknown compressor %r; valid: %s"
+                             % (self.compressor, ", ".join(codecs.available())))
+        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
+                and self.threshold > 0):
+            raise ValueError("threshold must be a positive finite number, got %r"
+                             % (self.threshold,))
+        ct = self.comm_threshold
+        if isinstance(ct, str):
+            if ct not in ("auto", "off"):
+                raise ValueError("comm_threshold must be 'auto', 'off' or a size in bytes, "
+                                 "got %r" % ct)
+        elif isinstance(ct, bool) or not isinstance(ct, int) or ct < 0:
+            raise ValueError("comm_threshold must be 'auto', 'off' or a non-negative size "
+                             "in bytes, got %r" % (ct,))
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 2:
+            raise ValueError("warmup_steps must be an integer >= 2 (one compressed and one "
+                             "full-precision step per key), got %r" % (self.warmup_steps,))
+        if self.loc_lr is not None and not (math.isfinite(self.loc_lr) and self.loc_lr > 0):
+            raise ValueError("loc_lr must be a positive finite number, got %r" % (self.loc_lr,))
+        if self.num_threads is not None and (not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ValueError("num_threads must be an integer >= 1, got %r" % (self.num_threads,))
+        if not (self.timeout > 0):
+            raise ValueError("timeout must be positive seconds, got %r" % (self.timeout,))
+        if not isinstance(self.audit_every, int) or self.audit_every < 0:
+            raise ValueError("audit_every must be an integer >= 0, got %r" % (self.audit_every,))
+
+    def agreement_fields(self):
+        """The settings that must be identical on every worker."""
+        return {"compressor": self.compressor, "threshold": float(self.threshold),
+                "comm_threshold": self.comm_threshold, "warmup_steps": self.warmup_steps,
+                "backup": self.backup, "offload": self.offload}
+
+
+# Trainer's compression_params follows MXNet's {'type': '2bit', 'threshold': 0.5}.
+_ALIASES = {"type": "compressor"}
+
+
+def normalize_options(options):
+    """Map MXNet-style keys to field names, parse strings, reject unknown names."""
+    valid = SlimGCConfig.field_names()
+    out = {}
+    for key, value in dict(options).items():
+        name = _ALIASES.get(key, key)
+        if name not in valid:
+            raise ValueError("unknown SlimGC option %r; valid: %s"
+                             % (key, ", ".join(["type"] + valid)))
+        out[name] = _parse(name, value, repr(key)) if isinstance(value, str) else value
+    if isinstance(out.get("comm_threshold"), float) and out["comm_threshold"].is_integer():
+        out["comm_threshold"] = int(out["comm_threshold"])
+    return out
+
+
+def _parse(name, raw, where):
+    """Parse one option given as a string (environment or CLI)."""
+    raw = raw.strip()
+    try:
+        if name in ("backup", "offload"):
+            low = raw.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError
+        if name in ("threshold", "timeout", "loc_lr"):
+            return float(raw)
+        if name in ("warmup_steps", "num_threads", "audit_every"):
+            return int(raw)
+        if name == "comm_threshold":
+            return raw.lower() if raw.lower() in ("auto", "off") else int(raw)
+        return raw
+    except ValueError:
+        raise ValueError("cannot parse %s=%r for option %r" % (where, raw, name)) from None

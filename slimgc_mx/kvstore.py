@@ -1,0 +1,361 @@
+"""The SlimGC KVStore: `kvstore='slimgc'` in gluon.Trainer.
+
+A short composition: SlimGCConfig (options), CTTab (which tensors to compress),
+Pipeline (grad_buf -> codec -> transport -> aggregate), ModelBackup (loc_buf /
+glo_buf) and a Transport (MXNet dist_sync, or in-process). The optimizer runs on
+every worker on the aggregated gradient, so all workers hold the same global
+weights bit for bit.
+"""
+import logging
+import pickle
+
+import mxnet as mx
+import numpy as np
+from mxnet.kvstore import KVStoreBase
+
+from . import agreement, codecs
+from .backup import LocalUpdater, ModelBackup, clone_optimizer
+from .config import SlimGCConfig
+from .pipeline import Job, KeyBuffers, Pipeline
+from .threshold import CTTab, NEVER
+from .transport import Buffer, create_transport
+
+log = logging.getLogger(__name__)
+
+
+@KVStoreBase.register
+class SlimGC(KVStoreBase):
+    """Gradient-compression KVStore with SlimGC's threshold table, CPU offload and model backup.
+
+    Options (see SlimGCConfig) come from kwargs, Trainer's `compression_params`
+    or SLIMGC_* environment variables. `transport` overrides the automatic choice
+    (MXNet dist_sync when launched as a worker, else in-process).
+    """
+
+    def __init__(self, transport=None, **options):
+        self.config = SlimGCConfig.from_sources(options)
+        self._transport = transport
+        self._keys = {}  # user key -> KeyBuffers
+        self._steps = {}  # user key -> steps pushed
+        self._optimizer = None  # the Trainer's optimizer (it sets lr / rescale_grad on it)
+        self._glo_updater = None  # updates glo_buf on the aggregation thread
+        self._local_updater = None
+        self._pipeline = None
+        self._backup = None
+        self._cttab = None
+        self._bytes = {"pushed": 0, "pulled": 0, "fp32": 0}
+
+    # -- KVStoreBase properties ------------------------------------------------------------
+    @property
+    def type(self):
+        return "slimgc"
+
+    @property
+    def rank(self):
+        return self._ensure_transport().rank
+
+    @property
+    def num_workers(self):
+        return self._ensure_transport().num_workers
+
+    @staticmethod
+    def is_capable(capability):
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return True
+        raise ValueError("Unknown capability: {}".format(capability))
+
+    # -- configuration ---------------------------------------------------------------------
+    def set_gradient_compression(self, compression_params):
+        """Choose the compressor and SlimGC options, e.g. {'type': '2bit', 'threshold': 0.5}."""
+        if self._keys:
+            raise RuntimeError("set_gradient_compression must be called before any key is "
+                               "initialized (gluon.Trainer does so itself)")
+        self.config = self.config.replace(compression_params)
+
+    def set_optimizer(self, optimizer):
+        """Run `optimizer` on the aggregated gradients, on every worker."""
+        self._optimizer = optimizer
+        self._glo_updater = mx.optimizer.get_updater(clone_optimizer(optimizer))
+        self._local_updater = None
+
+    # -- keys ------------------------------------------------------------------------------
+    def _ensure_transport(self):
+        if self._transport is None:
+            self._transport = create_transport(timeout=self.config.timeout)
+        return self._transport
+
+    def _start(self):
+        if self._pipeline is not None:
+            return
+        transport = self._ensure_transport()
+        cfg = self.config
+        if cfg.compressor == "none":
+            self._codec = None
+            self._cttab = CTTab(NEVER, cfg.warmup_steps)
+        else:
+            self._codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
+                                        num_threads=cfg.num_threads)
+            self._cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps)
+        agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
+                                         lanes=self._lane_format()))
+        self._backup = ModelBackup(cfg.backup, cfg.timeout)
+        self._pipeline = Pipeline(transport, self._finish, self._backup.fail)
+        log.info("slimgc: rank %d/%d, transport %s, %s", transport.rank, transport.num_workers,
+                 transport.kind, cfg)
+
+    def _lane_format(self):
+        if self._codec is None:
+            return "float32"
+        n = self._transport.num_workers
+        return (self._codec.name, self._codec.wire_bits_per_element(n))
+
+    def _add_key(self, key, value):
+        self._start()
+        if key in self._keys:
+            raise ValueError("key %r is already initialized" % (key,))
+        if value.stype != "default":
+            raise TypeError("key %r: slimgc supports dense (default storage) arrays only, "
+                            "got stype %r; use kvstore='dist_sync' for sparse gradients"
+                            % (key, value.stype))
+        if np.dtype(value.dtype) != np.float32:
+            raise TypeError("key %r is %s: slimgc aggregates float32 parameters only; cast the "
+                            "model with net.cast('float32')" % (key, np.dtype(value.dtype)))
+        agreement.check(self._transport, {"key": repr(key), "shape": tuple(value.shape),
+                                          "dtype": str(np.dtype(value.dtype))},
+                        what="key #%d" % len(self._keys))
+        codec = self._codec.clone() if self._codec is not None else None
+        b = KeyBuffers(len(self._keys), value.shape, codec, self._transport.num_workers, Buffer)
+        for buf in (b.grad_buf, b.bit_send):
+            if buf is not None:
+                self._transport.declare(b.fp_key if buf is b.grad_buf else b.bit_key, buf)
+        self._keys[key] = b
+        self._steps[key] = 0
+        return b
+
+    def init(self, key, value):
+        """Initialize keys with rank 0's values."""
+        for k, v in _pairs(key, value):
+            self._init_one(k, _first(v))
+
+    def broadcast(self, key, value, out, priority=0):
+        """Initialize `key` with rank 0's `value` and write it into `out`."""
+        for k, v, o in _triples(key, value, out):
+            self._init_one(k, _first(v))
+            glo = self._backup.glo_buf(k)
+            for dst in _as_list(o):
+                glo.copyto(dst)
+
+    def _init_one(self, key, value):
+        b = self._add_key(key, value)
+        weight = Buffer(b.shape, np.float32)
+        value.copyto(weight.nd)  # also brings MKLDNN-layout arrays to the default layout
+        self._transport.declare(b.weight_key, weight)
+        self._transport.broadcast(b.weight_key, weight)
+        self._backup.add(key, weight.nd)
+
+    # -- the data path ---------------------------------------------------------------------
+    def pushpull(self, key, value, out=None, priority=0):
+        """Aggregate gradients `value` over workers; with an optimizer, `out` gets the weights."""
+        for k, v, o in _triples(key, value, out):
+            self._pushpull_one(k, _as_list(v), _as_list(o) if o is not None else None)
+
+    def _pushpull_one(self, key, grads, outs):
+        if key not in self._keys:
+            raise KeyError("key %r was not initialized (call init or broadcast first)" % (key,))
+        b = self._keys[key]
+        step = self._steps[key]
+        for g in grads:
+            if tuple(g.shape) != b.shape:
+                raise ValueError("key %r: pushed shape %s differs from the initialized shape %s"
+                                 % (key, tuple(g.shape), b.shape))
+        if self._cttab.needs_decision(step):
+            self._decide_threshold()
+        if self._optimizer is None:
+            return self._allreduce(key, b, step, grads, outs if outs is not None else grads)
+
+        backup = self._backup
+        backup.wait_version(key, step)  # grad_buf and the residual are free again
+        grad = _sum(grads)
+        grad.copyto(b.grad_buf.nd)
+        local = backup.enabled and outs is not None
+        if local:
+            backup.local_step(key, step, grad, outs,
+                              lambda g, w: self._local_update(b.index, g, w))
+        opt = self._optimizer
+        self._submit(key, b, step, (opt.lr, opt.wd, opt.rescale_grad), local)
+        self._steps[key] = step + 1
+        if not backup.enabled and outs is not None:
+            backup.write_back(key, step + 1, outs)
+
+    def _allreduce(self, key, b, step, grads, outs):
+        """No optimizer set: `outs` get the gradient summed over contexts and workers."""
+        self._backup.wait_version(key, step)
+        _sum(grads).copyto(b.grad_buf.nd)
+        self._submit(key, b, step, None, False)
+        self._steps[key] = step + 1
+        self._backup.wait_version(key, step + 1)
+        for o in outs:
+            b.agg.nd.copyto(o)
+
+    def _submit(self, key, b, step, opt_settings, local):
+        compressed = b.codec is not None and self._cttab.compressed(b.nbytes, step)
+        serial = self._cttab.phase == "warmup"
+        self._pipeline.submit(Job(b, step, compressed, serial, (key, opt_settings, local)))
+
+    def _local_update(self, index, grad, weight):
+        if self._local_updater is None:
+            cfg = self.config
+            self._local_updater = LocalUpdater(self._optimizer, self.num_workers,
+                                               cfg.loc_lr, cfg.loc_optimizer)
+        self._local_updater(index, grad, weight)
+
+    def _finish(self, job):
+        """Aggregation thread: account, record timings, update glo_buf, publish."""
+        b = job.buffers
+        key, opt_settings, local = job.context
+        send = b.bit_send if job.compressed else b.grad_buf
+        self._bytes["pushed"] += send.nbytes
+        self._bytes["pulled"] += send.nbytes
+        self._bytes["fp32"] += b.nbytes
+        self._cttab.record(key, b.nbytes, job.compressed, job.t_comm, job.t_proc)
+        if opt_settings is None:
+            self._backup.publish(key, job.step, lambda glo: None, local)
+            return
+        lr, wd, rescale = opt_settings
+
+        def update(glo):
+            opt = self._glo_updater.optimizer
+            opt.lr, opt.wd, opt.rescale_grad = lr, wd, rescale
+            self._glo_updater(b.index, b.agg.nd, glo)
+
+        self._backup.publish(key, job.step, update, local)
+
+    def _decide_threshold(self):
+        """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT."""
+        self._pipeline.wait_idle(self.config.timeout)
+        rows = self._cttab.build()
+        mine = CTTab.choose(rows)
+        votes = self._transport.allgather([-1.0 if mine == NEVER else float(mine)])
+        chosen = votes[0, 0]
+        self._cttab.adopt(NEVER if chosen < 0 else int(chosen))
+
+    # -- reading weights back --------------------------------------------------------------
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Write the newest global weights of `key` into `out`."""
+        for k, o in _pairs(key, out):
+            self._backup.wait_version(k, self._steps[k])
+            for dst in _as_list(o):
+                self._backup.glo_buf(k).copyto(dst)
+
+    def flush(self):
+        """Wait for every aggregation in flight and write the global weights into the parameters.
+
+        Call it before evaluating or saving a model trained with backup on: during
+        training the parameters hold loc_buf (global weights plus this worker's step).
+        """
+        if self._pipeline is None:
+            return
+        self._pipeline.wait_idle(self.config.timeout)
+        self._backup.flush()
+        mx.nd.waitall()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Save the global optimizer state (after flushing the aggregations in flight)."""
+        self.flush()
+        with open(fname, "wb") as f:
+            f.write(self._glo_updater.get_states(dump_optimizer))
+
+    def load_optimizer_states(self, fname):
+        """Load the global optimizer state written by save_optimizer_states."""
+        with open(fname, "rb") as f:
+            self._glo_updater.set_states(f.read())
+
+    @property
+    def _updater(self):
+        """What gluon.Trainer.load_states reads back: an object with `.optimizer`."""
+        return self._glo_updater
+
+    # -- reporting -------------------------------------------------------------------------
+    def stats(self):
+        """Bytes on the wire (each direction) versus fp32, and the threshold decision."""
+        best = self._cttab.best_ct if self._cttab is not None else None
+        return {
+            "compressor": self.config.compressor,
+            "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
+            "comm_threshold_phase": self._cttab.phase if self._cttab else None,
+            "bytes_pushed": self._bytes["pushed"],
+            "bytes_pulled": self._bytes["pulled"],
+            "bytes_fp32": self._bytes["fp32"],
+            "cttab": list(self._cttab.rows) if self._cttab else [],
+        }
+
+    @property
+    def cttab(self):
+        return self._cttab
+
+    def close(self):
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _first(v):
+    return _as_list(v)[0]
+
+
+def _sum(arrays):
+    """Sum of the per-context arrays, on the first one's context."""
+    total = arrays[0]
+    if len(arrays) > 1:
+        total = arrays[0].copy()
+        for a in arrays[1:]:
+            total += a.as_in_context(total.context)
+    return total
+
+
+def _pairs(key, value):
+    if isinstance(key, (list, tuple)):
+        if len(key) != len(value):
+            raise ValueError("got %d keys but %d values" % (len(key), len(value)))
+        return list(zip(key, value))
+    return [(key, value)]
+
+
+def _triples(key, value, out):
+    if isinstance(key, (list, tuple)):
+        outs = out if out is not None else [None] * len(key)
+        if not (len(key) == len(value) == len(outs)):
+            raise ValueError("keys, values and outs differ in length")
+        return list(zip(key, value, outs))
+    return [(key, value, out)]
+
+
+def _patch_trainer():
+    """Let gluon.Trainer keep kvstore='slimgc' with one context.
+
+    MXNet's _create_kvstore drops any string kvstore without 'dist' when there is a
+    single device; for the names registered here it now creates the store instead.
+    """
+    import mxnet.gluon.trainer as trainer_mod
+    import mxnet.model as model_mod
+
+    original = model_mod._create_kvstore
+    if getattr(original, "_slimgc", False):
+        return
+
+    def _create_kvstore(kvstore, num_device, arg_params):
+        if isinstance(kvstore, str) and kvstore.lower() == "slimgc":
+            kv = mx.kv.create(kvstore)
+            return kv, kv.is_capable(KVStoreBase.OPTIMIZER)
+        return original(kvstore, num_device, arg_params)
+
+    _create_kvstore._slimgc = True
+    model_mod._create_kvstore = _create_kvstore
+    trainer_mod._create_kvstore = _create_kvstore
+
+
+_patch_trainer()

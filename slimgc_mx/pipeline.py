@@ -1,0 +1,187 @@
+"""The aggregation pipeline (SlimGC Strategy 2): grad_buf -> fp_buf / bit_buf -> wire -> sum.
+
+Three threads, each a FIFO stage, so that one key's encoding overlaps another
+key's transfer and a third key's decoding:
+
+    encoder       wait for grad_buf, encode bit_buf with the codec (no GIL held)
+    communicator  push + pull on the transport (MXNet's engine sends asynchronously)
+    finisher      wait for the sum, decode it into the aggregate, hand it to `finish`
+
+Any exception in a stage is kept and raised in the training thread at its next
+wait, chained to the original traceback; later jobs are dropped.
+"""
+import queue
+import threading
+import time
+
+import numpy as np
+
+
+class PipelineError(RuntimeError):
+    """A background stage failed; the original exception is chained as __cause__."""
+
+
+class KeyBuffers:
+    """Everything the pipeline holds for one key: the paper's grad_buf, fp_buf and bit_buf.
+
+    grad_buf  float32 copy of the local gradient (the fp_buf route sends it as is)
+    bit_send  the codec's lanes for this worker (bit_buf)
+    bit_recv  the lanes summed over workers
+    agg       float32 sum over workers of the gradient (pulled, or decoded from bit_recv)
+    residual  the codec's error-feedback memory
+    """
+
+    def __init__(self, index, shape, codec, num_workers, make_buffer):
+        self.index = index
+        self.shape = tuple(shape)
+        self.size = size = int(np.prod(shape))
+        self.nbytes = 4 * size
+        self.codec = codec
+        self.grad_buf = make_buffer(shape, np.float32)
+        self.agg = make_buffer(shape, np.float32)
+        self.residual = np.zeros(size, dtype=np.float32)
+        if codec is not None:
+            lanes = max(1, codec.lane_count(size, num_workers))
+            self.bit_send = make_buffer((lanes,), codec.wire_dtype)
+            self.bit_recv = make_buffer((lanes,), codec.wire_dtype)
+        else:
+            self.bit_send = self.bit_recv = None
+
+    # Wire keys: fp route, compressed route and the weight broadcast of key `index`.
+    @property
+    def fp_key(self):
+        return 3 * self.index
+
+    @property
+    def bit_key(self):
+        return 3 * self.index + 1
+
+    @property
+    def weight_key(self):
+        return 3 * self.index + 2
+
+
+class Job:
+    """One key's aggregation for one step."""
+
+    __slots__ = ("buffers", "step", "compressed", "serial", "context", "handle",
+                 "t_start", "t_comm", "t_proc", "error")
+
+    def __init__(self, buffers, step, compressed, serial=False, context=None):
+        self.buffers = buffers
+        self.step = step
+        self.compressed = compressed
+        self.serial = serial  # transfer alone (warm-up timing) instead of overlapped
+        self.context = context  # whatever `finish` needs (optimizer settings of this step)
+        self.handle = None
+        self.t_start = self.t_comm = None
+        self.t_proc = 0.0
+
+
+class Pipeline:
+    """Runs jobs through encoder -> communicator -> finisher threads."""
+
+    def __init__(self, transport, finish, on_error):
+        self.transport = transport
+        self._finish = finish
+        self._on_error = on_error
+        self.error = None
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._queues = [queue.Queue(), queue.Queue(), queue.Queue()]
+        stages = [(self._encode, "encoder"), (self._communicate, "communicator"),
+                  (self._complete, "finisher")]
+        self._threads = []
+        for i, (fn, name) in enumerate(stages):
+            out = self._queues[i + 1] if i + 1 < len(stages) else None
+            t = threading.Thread(target=self._run, args=(fn, self._queues[i], out),
+                                 name="slimgc-" + name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def submit(self, job):
+        if self.error is not None:
+            raise PipelineError("the aggregation pipeline already failed") from self.error
+        with self._idle:
+            self._pending += 1
+        self._queues[0].put(job)
+
+    def wait_idle(self, timeout):
+        """Block until every submitted job has finished; raise on failure or timeout."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending == 0 or self.error is not None,
+                                       timeout):
+                raise TimeoutError("the aggregation pipeline did not drain in %.0f s: a worker "
+                                   "or server may have died" % timeout)
+        if self.error is not None:
+            raise PipelineError("the aggregation pipeline failed") from self.error
+
+    def close(self):
+        self._queues[0].put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _run(self, fn, inbox, outbox):
+        while True:
+            job = inbox.get()
+            if job is None:
+                if outbox is not None:
+                    outbox.put(None)
+                return
+            if self.error is None:
+                try:
+                    fn(job)
+                except BaseException as exc:  # kept for the training thread
+                    self._fail(exc)
+            if self.error is not None:
+                self._done()
+                continue
+            if outbox is not None:
+                outbox.put(job)
+            else:
+                self._done()
+
+    def _done(self):
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def _fail(self, exc):
+        if self.error is None:
+            self.error = exc
+            self._on_error(exc)
+        with self._idle:
+            self._idle.notify_all()
+
+    def _encode(self, job):
+        b = job.buffers
+        grad = b.grad_buf.for_read()
+        if job.compressed:
+            lanes = b.bit_send.for_write()
+            t0 = time.perf_counter()
+            b.codec.encode(grad, b.residual, self.transport.num_workers, out=lanes)
+            job.t_proc += time.perf_counter() - t0
+
+    def _communicate(self, job):
+        b = job.buffers
+        if job.compressed:
+            wire, send, recv = b.bit_key, b.bit_send, b.bit_recv
+        else:
+            wire, send, recv = b.fp_key, b.grad_buf, b.agg
+        job.t_start = time.perf_counter()
+        job.handle = self.transport.push_pull(wire, send, recv)
+        if job.serial:
+            job.handle.wait()
+            job.t_comm = job.handle.elapsed or time.perf_counter() - job.t_start
+
+    def _complete(self, job):
+        b = job.buffers
+        job.handle.wait()
+        if job.t_comm is None:
+            job.t_comm = job.handle.elapsed or time.perf_counter() - job.t_start
+        if job.compressed:
+            lanes, agg = b.bit_recv.for_read(), b.agg.for_write()
+            t0 = time.perf_counter()
+            b.codec.decode(lanes, b.size, self.transport.num_workers, out=agg)
+            job.t_proc += time.perf_counter() - t0
+        self._finish(job)

@@ -1,0 +1,270 @@
+"""Transports under the SlimGC kvstore: MXNet's own dist_sync, or in-process.
+
+A transport moves fixed-shape float arrays ("wire keys") and returns their sum
+over all workers. The pipeline owns the buffers (`Buffer`: a CPU NDArray plus a
+zero-copy NumPy view of it), so codecs write straight into what MXNet sends.
+"""
+import ctypes
+import os
+import threading
+
+import mxnet as mx
+import numpy as np
+from mxnet.base import _LIB, check_call
+
+_CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+class TransportTimeout(TimeoutError):
+    """A transfer did not complete within the configured timeout."""
+
+
+class Buffer:
+    """A CPU NDArray and a flat NumPy view of the same memory.
+
+    The NDArray is what MXNet's engine reads and writes; the view is what the
+    Cython codecs read and write. `for_read` / `for_write` wait for the engine
+    so that the two never touch the memory at the same time.
+    """
+
+    def __init__(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        if dtype not in _CTYPES:
+            raise TypeError("wire buffers are float32 or float64, not %s" % dtype)
+        self.nd = mx.nd.zeros(shape, ctx=mx.cpu(), dtype=dtype)
+        self.nd.wait_to_read()
+        ptr = ctypes.c_void_p()
+        check_call(_LIB.MXNDArrayGetData(self.nd.handle, ctypes.byref(ptr)))
+        size = int(np.prod(shape))
+        self._np = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(_CTYPES[dtype])),
+                                         shape=(size,))
+
+    @property
+    def nbytes(self):
+        return self._np.nbytes
+
+    def for_read(self):
+        """The NumPy view, after every pending engine write has finished."""
+        self.nd.wait_to_read()
+        return self._np
+
+    def for_write(self):
+        """The NumPy view, after every pending engine read and write has finished."""
+        check_call(_LIB.MXNDArrayWaitToWrite(self.nd.handle))
+        return self._np
+
+
+class Handle:
+    """A transfer in flight; `wait()` returns once the summed result is in `recv`.
+
+    It blocks without a limit: the training thread, not the pipeline thread,
+    enforces the timeout (see pipeline.Pipeline.wait).
+    """
+
+    def __init__(self, recv, elapsed=None):
+        self._recv = recv
+        self.elapsed = elapsed  # set by emulated links: the modeled transfer time
+
+    def wait(self):
+        self._recv.nd.wait_to_read()
+
+
+def _wait_nd(nd, timeout):
+    """Block until `nd` is readable, or raise TransportTimeout after `timeout` seconds.
+
+    For the rare collective calls made on the training thread (broadcast, allgather).
+    """
+    if timeout is None:
+        nd.wait_to_read()
+        return
+    done = threading.Event()
+    err = []
+
+    def waiter():
+        try:
+            nd.wait_to_read()
+        except Exception as exc:  # surfaced in the caller below
+            err.append(exc)
+        done.set()
+
+    threading.Thread(target=waiter, name="slimgc-wait", daemon=True).start()
+    if not done.wait(timeout):
+        raise TransportTimeout(
+            "a transfer did not complete in %.0f s: a worker or server may have died "
+            "(raise SLIMGC_TIMEOUT if your steps are legitimately slower)" % timeout)
+    if err:
+        raise err[0]
+
+
+class Transport:
+    """Sums fixed-shape arrays over workers; `declare` must run in the same order everywhere."""
+
+    rank = 0
+    num_workers = 1
+    kind = "abstract"
+    timeout = None
+
+    def declare(self, wire_key, buf):
+        """Create `wire_key` with the shape and dtype of `buf` (collective)."""
+        raise NotImplementedError
+
+    def push_pull(self, wire_key, send, recv):
+        """Start summing `send` over workers into `recv`; returns a Handle."""
+        raise NotImplementedError
+
+    def broadcast(self, wire_key, buf):
+        """Overwrite `buf` with rank 0's value (collective; wire_key must be declared)."""
+        raise NotImplementedError
+
+    def allgather(self, values):
+        """Every worker's float64 vector, stacked as (num_workers, len) (collective)."""
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+class LocalTransport(Transport):
+    """One worker in this process: the sum over workers is the worker's own array."""
+
+    kind = "local"
+
+    def declare(self, wire_key, buf):
+        pass
+
+    def push_pull(self, wire_key, send, recv):
+        np.copyto(recv.for_write(), send.for_read())
+        return Handle(recv)
+
+    def broadcast(self, wire_key, buf):
+        pass
+
+    def allgather(self, values):
+        return np.asarray(values, dtype=np.float64).reshape(1, -1)
+
+
+# Wire keys live below this; control keys (allgather) above it.
+_CONTROL_KEY_BASE = 1 << 30
+
+
+class DistTransport(Transport):
+    """MXNet's native dist_sync kvstore: stock servers sum what the workers push."""
+
+    kind = "dist_sync"
+
+    def __init__(self, timeout=None):
+        self._kv = mx.kv.create("dist_sync")
+        self.rank = self._kv.rank
+        self.num_workers = self._kv.num_workers
+        self.timeout = timeout
+        self._gather_keys = {}
+
+    def declare(self, wire_key, buf):
+        if wire_key >= _CONTROL_KEY_BASE:
+            raise ValueError("wire key %d collides with control keys" % wire_key)
+        self._kv.init(wire_key, buf.nd)
+
+    def push_pull(self, wire_key, send, recv):
+        self._kv.push(wire_key, send.nd)
+        self._kv.pull(wire_key, out=recv.nd)
+        return Handle(recv)
+
+    def broadcast(self, wire_key, buf):
+        self._kv.pull(wire_key, out=buf.nd)
+        _wait_nd(buf.nd, self.timeout)
+
+    def allgather(self, values):
+        values = np.asarray(values, dtype=np.float64).ravel()
+        n = values.size
+        key = self._gather_keys.get(n)
+        if key is None:
+            key = _CONTROL_KEY_BASE + len(self._gather_keys)
+            self._gather_keys[n] = key
+            self._kv.init(key, mx.nd.zeros((self.num_workers, n), dtype=np.float64))
+        slots = np.zeros((self.num_workers, n), dtype=np.float64)
+        slots[self.rank] = values
+        send = mx.nd.array(slots, dtype=np.float64)
+        recv = mx.nd.zeros((self.num_workers, n), dtype=np.float64)
+        self._kv.push(key, send)
+        self._kv.pull(key, out=recv)
+        _wait_nd(recv, self.timeout)
+        return recv.asnumpy()
+
+
+class ThreadGroup:
+    """N in-process workers (threads) that sum through a shared dict: tests and demos.
+
+    Each worker gets `group.transport(rank)`. A push_pull completes once all N
+    workers pushed that wire key for that round, like a dist_sync server.
+    """
+
+    def __init__(self, num_workers, link=None):
+        self.num_workers = num_workers
+        # Optional callable(nbytes) -> seconds: an emulated link whose modeled time is
+        # reported as the transfer time (Handle.elapsed), so timings are reproducible.
+        self.link = link
+        self._cond = threading.Condition()
+        self._rounds = {}  # (wire_key, round) -> [sum, arrivals, results_taken]
+        self._values = {}
+
+    def transport(self, rank):
+        return _ThreadTransport(self, rank)
+
+    def _sum(self, wire_key, rnd, array):
+        with self._cond:
+            slot = self._rounds.setdefault((wire_key, rnd), [np.zeros_like(array), 0, 0])
+            slot[0] += array
+            slot[1] += 1
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: slot[1] == self.num_workers, timeout=60):
+                raise TransportTimeout("thread group: not every worker pushed key %r" % (wire_key,))
+            result = slot[0].copy()
+            slot[2] += 1
+            if slot[2] == self.num_workers:
+                del self._rounds[(wire_key, rnd)]
+        return result
+
+
+class _ThreadTransport(Transport):
+    kind = "threads"
+
+    def __init__(self, group, rank):
+        self._group = group
+        self.rank = rank
+        self.num_workers = group.num_workers
+        self._round = {}
+
+    def _next_round(self, key):
+        rnd = self._round.get(key, 0)
+        self._round[key] = rnd + 1
+        return rnd
+
+    def declare(self, wire_key, buf):
+        pass
+
+    def push_pull(self, wire_key, send, recv):
+        total = self._group._sum(wire_key, self._next_round(wire_key), send.for_read())
+        np.copyto(recv.for_write(), total)
+        link = self._group.link
+        return Handle(recv, None if link is None else link(send.nbytes))
+
+    def broadcast(self, wire_key, buf):
+        view = buf.for_read()
+        contribution = view if self.rank == 0 else np.zeros_like(view)
+        total = self._group._sum(("bcast", wire_key), self._next_round(("bcast", wire_key)),
+                                 contribution)
+        np.copyto(buf.for_write(), total)
+
+    def allgather(self, values):
+        values = np.asarray(values, dtype=np.float64).ravel()
+        slots = np.zeros((self.num_workers, values.size))
+        slots[self.rank] = values
+        key = ("gather", values.size)
+        return self._group._sum(key, self._next_round(key), slots)
+
+
+def create_transport(timeout=None):
+    """MXNet dist_sync when this process was launched as a worker, else in-process."""
+    if os.environ.get("DMLC_ROLE") == "worker" and os.environ.get("DMLC_NUM_WORKER"):
+        return DistTransport(timeout=timeout)
+    return LocalTransport()

@@ -1,0 +1,50 @@
+"""SlimGCConfig: sources, precedence and clear errors for bad options."""
+import pytest
+
+from slimgc_mx.config import SlimGCConfig
+
+
+def test_defaults():
+    cfg = SlimGCConfig.from_sources({}, environ={})
+    assert (cfg.compressor, cfg.threshold, cfg.comm_threshold) == ("2bit", 0.5, "auto")
+    assert cfg.backup and cfg.offload and cfg.audit_every == 0
+
+
+def test_environment_then_options_precedence():
+    env = {"SLIMGC_COMPRESSOR": "4bit", "SLIMGC_BACKUP": "off", "SLIMGC_COMM_THRESHOLD": "4096",
+           "SLIMGC_NUM_THREADS": "2", "SLIMGC_TIMEOUT": "30"}
+    cfg = SlimGCConfig.from_sources({"type": "1bit"}, environ=env)
+    assert cfg.compressor == "1bit"  # compression_params beat the environment
+    assert cfg.backup is False and cfg.comm_threshold == 4096
+    assert cfg.num_threads == 2 and cfg.timeout == 30.0
+
+
+def test_trainer_compression_params_style():
+    cfg = SlimGCConfig.from_sources({}, environ={}).replace(
+        {"type": "2bit", "threshold": 0.25, "comm_threshold": "off", "offload": False})
+    assert cfg.threshold == 0.25 and cfg.comm_threshold == "off" and cfg.offload is False
+    assert SlimGCConfig().replace({"comm_threshold": 2048.0}).comm_threshold == 2048
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"type": "3bit"}, "unknown compressor '3bit'; valid: "),
+    ({"threshold": 0}, "threshold must be a positive finite number"),
+    ({"threshold": float("nan")}, "threshold must be a positive finite number"),
+    ({"threshold": float("inf")}, "threshold must be a positive finite number"),
+    ({"comm_threshold": "sometimes"}, "comm_threshold must be 'auto', 'off' or a size"),
+    ({"comm_threshold": -1}, "comm_threshold must be 'auto', 'off' or a non-negative size"),
+    ({"warmup_steps": 1}, "warmup_steps must be an integer >= 2"),
+    ({"num_threads": 0}, "num_threads must be an integer >= 1"),
+    ({"loc_lr": -0.1}, "loc_lr must be a positive finite number"),
+    ({"compresion": "2bit"}, "unknown SlimGC option 'compresion'; valid: type, compressor"),
+])
+def test_bad_options_name_the_problem(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SlimGCConfig.from_sources(options, environ={})
+
+
+def test_bad_environment_value_names_the_variable():
+    with pytest.raises(ValueError, match="SLIMGC_BACKUP"):
+        SlimGCConfig.from_sources({}, environ={"SLIMGC_BACKUP": "maybe"})
+    with pytest.raises(ValueError, match="SLIMGC_WARMUP_STEPS"):
+        SlimGCConfig.from_sources({}, environ={"SLIMGC_WARMUP_STEPS": "ten"})

@@ -1,0 +1,320 @@
+"""The SlimGC kvstore in one process: Trainer integration, aggregation, CTTab, backup, errors.
+
+Several workers are threads sharing a ThreadGroup transport (a dist_sync server
+in miniature); the multi-process tests in test_distributed.py use MXNet's own.
+"""
+import threading
+import time
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+
+import slimgc_mx
+from slimgc_mx import codecs
+from slimgc_mx.backup import BackupTimeout
+from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.pipeline import PipelineError
+from slimgc_mx.threshold import NEVER
+from slimgc_mx.transport import LocalTransport, ThreadGroup
+
+
+def _net(seed=0):
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(4))
+    net.initialize(mx.init.Xavier())
+    return net
+
+
+def _batches(steps, seed=1):
+    rng = np.random.RandomState(seed)
+    return [(mx.nd.array(rng.randn(8, 12)), mx.nd.array(rng.randint(0, 4, 8))) for _ in range(steps)]
+
+
+def _train(trainer, net, batches):
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    for x, y in batches:
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(x.shape[0])
+
+
+def _weights(net):
+    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
+
+
+def _in_threads(num_workers, fn):
+    """Run fn(rank, transport) on num_workers threads; re-raise the first failure."""
+    group = ThreadGroup(num_workers)
+    results, errors = [None] * num_workers, []
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank, group.transport(rank))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# ---------------------------------------------------------------- MXNet integration
+def test_trainer_keeps_the_literal_string_with_one_context():
+    net = _net()
+    net(mx.nd.ones((2, 12)))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                            kvstore="slimgc", compression_params={"type": "2bit"})
+    _train(trainer, net, _batches(2))
+    assert isinstance(trainer._kvstore, SlimGC)
+    assert trainer._update_on_kvstore
+    assert trainer._kvstore.config.compressor == "2bit"
+
+
+def test_create_by_name_and_instance():
+    assert isinstance(mx.kv.create("slimgc"), SlimGC)
+    assert isinstance(mx.kv.create("SlimGC"), SlimGC)
+    kv = SlimGC(compressor="4bit", backup=False)
+    net = _net()
+    net(mx.nd.ones((2, 12)))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    _train(trainer, net, _batches(2))
+    assert trainer._kvstore is kv and kv.config.compressor == "4bit"
+
+
+@pytest.mark.parametrize("backup", [False, True])
+def test_none_codec_single_worker_matches_plain_trainer(backup):
+    batches = _batches(20)
+    ref = _net()
+    ref(batches[0][0])
+    _train(gluon.Trainer(ref.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                         kvstore=None), ref, batches)
+    net = _net()
+    net(batches[0][0])
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                            kvstore=SlimGC(compressor="none", backup=backup))
+    _train(trainer, net, batches)
+    slimgc_mx.flush(trainer)
+    for a, b in zip(_weights(ref), _weights(net)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- aggregation
+@pytest.mark.parametrize("name", ["none", "1bit", "2bit", "4bit"])
+def test_allreduce_over_threads_equals_the_codec_reference(name):
+    """Without an optimizer pushpull returns the summed (decoded) gradient, exactly."""
+    n, size, steps = 3, 5000, 3
+    rng = np.random.RandomState(7)
+    grads = rng.randn(steps, n, size).astype(np.float32)
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor=name, comm_threshold="off", backup=False)
+        kv.init(0, mx.nd.zeros(size))
+        outs = []
+        for s in range(steps):
+            out = mx.nd.zeros(size)
+            kv.pushpull(0, mx.nd.array(grads[s, rank]), out=out)
+            outs.append(out.asnumpy())
+        kv.close()
+        return outs
+
+    results = _in_threads(n, worker)
+    ref = codecs.create(name, reference=True) if name != "none" else None
+    residuals = [np.zeros(size, np.float32) for _ in range(n)]
+    for s in range(steps):
+        if ref is None:
+            expected = grads[s].sum(axis=0)
+        else:
+            lanes = sum(ref.encode(grads[s, r], residuals[r], n).astype(np.float64)
+                        for r in range(n))
+            expected = ref.decode(lanes, size, n)
+        for r in range(n):
+            if name == "none":
+                np.testing.assert_allclose(results[r][s], expected, rtol=1e-6, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(results[r][s], expected)
+
+
+@pytest.mark.parametrize("backup", [True, False])
+def test_global_weights_bitwise_equal_across_workers(backup):
+    batches = _batches(12)
+
+    def worker(rank, transport):
+        net = _net()
+        net(batches[0][0])
+        kv = SlimGC(transport=transport, compressor="2bit", threshold=0.01, backup=backup,
+                    comm_threshold=256, warmup_steps=2)
+        trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+        _train(trainer, net, batches[rank::2] * 2)
+        slimgc_mx.flush(trainer)
+        stats = kv.stats()
+        kv.close()
+        return _weights(net), stats
+
+    (w0, s0), (w1, s1) = _in_threads(2, worker)
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)
+    assert s0["bytes_pushed"] < s0["bytes_fp32"]  # the 32x12 weight went compressed
+    assert s0["comm_threshold_bytes"] == 256
+
+
+def test_backup_local_step_then_global_weights():
+    """Backup on, plain SGD: params hold w_i - lr*N*g_own until flush() writes w_{i+1}."""
+    lr, size = 0.5, 6
+    g = [np.arange(size, dtype=np.float32), -2 * np.ones(size, np.float32)]
+    w0 = np.linspace(-1, 1, size).astype(np.float32)
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="none", backup=True)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=lr))
+        param = mx.nd.array(w0)
+        kv.broadcast(0, param, out=param)
+        kv.pushpull(0, mx.nd.array(g[rank]), out=param)
+        local = param.asnumpy().copy()
+        kv.flush()
+        glob = param.asnumpy().copy()
+        kv.close()
+        return local, glob
+
+    (l0, g0), (l1, g1) = _in_threads(2, worker)
+    np.testing.assert_allclose(l0, w0 - lr * 2 * g[0], rtol=1e-6)
+    np.testing.assert_allclose(l1, w0 - lr * 2 * g[1], rtol=1e-6)
+    np.testing.assert_allclose(g0, w0 - lr * (g[0] + g[1]), rtol=1e-6)
+    np.testing.assert_array_equal(g0, g1)
+
+
+# ---------------------------------------------------------------- threshold table
+def _link(nbytes):
+    """A fake timed link: 2 ms latency, 40 MB/s (reported, not slept)."""
+    return 0.002 + nbytes / 40e6
+
+
+def test_cttab_warmup_picks_a_threshold_between_small_and_large_tensors():
+    sizes = [16, 64, 400_000, 800_000]
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", warmup_steps=8, backup=False)
+        for k, n in enumerate(sizes):
+            kv.init(k, mx.nd.zeros(n))
+        rng = np.random.RandomState(rank)
+        for _ in range(9):
+            for k, n in enumerate(sizes):
+                kv.pushpull(k, mx.nd.array(rng.randn(n)), out=mx.nd.zeros(n))
+        table = kv.cttab
+        kv.close()
+        return table.best_ct, table.rows
+
+    group = ThreadGroup(2, link=_link)
+    results = [None, None]
+
+    def run(rank):
+        results[rank] = worker(rank, group.transport(rank))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    (best0, rows0), (best1, _) = results
+    assert best0 == best1
+    assert 64 * 4 < best0 <= 400_000 * 4, rows0
+    assert [r["size"] for r in rows0] == [n * 4 for n in sizes]
+    assert rows0[-1]["ratio"] > 1 > rows0[0]["ratio"]
+
+
+def test_every_worker_adopts_rank0s_threshold(monkeypatch):
+    """Workers that would choose differently still agree: rank 0's BestCT is broadcast."""
+    from slimgc_mx import threshold
+
+    def per_thread_choice(rows):
+        return 4096 if threading.current_thread().name.endswith("0") else 8
+
+    monkeypatch.setattr(threshold.CTTab, "choose", staticmethod(per_thread_choice))
+
+    def worker(rank, transport):
+        threading.current_thread().name = "worker-%d" % rank
+        kv = SlimGC(transport=transport, compressor="2bit", warmup_steps=2, backup=False)
+        kv.init(0, mx.nd.zeros(100))
+        for _ in range(3):
+            kv.pushpull(0, mx.nd.ones(100), out=mx.nd.zeros(100))
+        best = kv.cttab.best_ct
+        kv.close()
+        return best
+
+    assert _in_threads(2, worker) == [4096, 4096]
+
+
+def test_forced_modes():
+    for mode, expect_compressed in (("off", True), (1 << 40, False)):
+        kv = SlimGC(compressor="2bit", comm_threshold=mode, backup=False)
+        kv.init(0, mx.nd.zeros(1000))
+        kv.pushpull(0, mx.nd.ones(1000), out=mx.nd.zeros(1000))
+        stats = kv.stats()
+        assert (stats["bytes_pushed"] < stats["bytes_fp32"]) == expect_compressed
+        assert kv.cttab.phase == "trained"
+        kv.close()
+    kv = SlimGC(compressor="none")
+    kv.init(0, mx.nd.zeros(10))
+    kv.pushpull(0, mx.nd.ones(10), out=mx.nd.zeros(10))
+    assert kv.stats()["comm_threshold_bytes"] is None and kv.cttab.best_ct == NEVER
+    kv.close()
+
+
+# ---------------------------------------------------------------- bad input and failures
+def test_bad_input_errors():
+    kv = SlimGC(compressor="2bit")
+    kv.init(0, mx.nd.zeros((3, 4)))
+    with pytest.raises(ValueError, match=r"pushed shape \(4, 3\) differs from the initialized"):
+        kv.pushpull(0, mx.nd.zeros((4, 3)), out=mx.nd.zeros((4, 3)))
+    with pytest.raises(KeyError, match="was not initialized"):
+        kv.pushpull(7, mx.nd.zeros(3))
+    with pytest.raises(ValueError, match="already initialized"):
+        kv.init(0, mx.nd.zeros((3, 4)))
+    with pytest.raises(TypeError, match="dense"):
+        kv.init(1, mx.nd.zeros((3, 4)).tostype("row_sparse"))
+    with pytest.raises(RuntimeError, match="before any key is initialized"):
+        kv.set_gradient_compression({"type": "1bit"})
+    with pytest.raises(ValueError, match="unknown compressor"):
+        SlimGC(compressor="8bit")
+    kv.close()
+
+
+def test_background_error_surfaces_in_the_training_thread():
+    class Broken(LocalTransport):
+        def push_pull(self, wire_key, send, recv):
+            raise OSError("link down (injected)")
+
+    kv = SlimGC(transport=Broken(), compressor="2bit", backup=True)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    w = mx.nd.zeros(10)
+    kv.broadcast(0, w, out=w)
+    kv.pushpull(0, mx.nd.ones(10), out=w)  # backup: returns before the transfer
+    with pytest.raises(PipelineError) as info:
+        kv.pushpull(0, mx.nd.ones(10), out=w)
+    assert isinstance(info.value.__cause__, OSError)
+    assert "injected" in str(info.value.__cause__)
+    kv.close()
+
+
+def test_stuck_transfer_times_out_in_the_training_thread():
+    class Stuck(LocalTransport):
+        def push_pull(self, wire_key, send, recv):
+            time.sleep(30)
+
+    kv = SlimGC(transport=Stuck(), compressor="none", backup=False, timeout=0.5)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    w = mx.nd.zeros(10)
+    kv.broadcast(0, w, out=w)
+    start = time.time()
+    with pytest.raises(BackupTimeout, match="did not arrive within"):
+        kv.pushpull(0, mx.nd.ones(10), out=w)
+    assert time.time() - start < 5
