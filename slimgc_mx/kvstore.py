@@ -6,8 +6,9 @@ glo_buf) and a Transport (MXNet dist_sync, or in-process). The optimizer runs on
 every worker on the aggregated gradient, so all workers hold the same global
 weights bit for bit.
 """
+import atexit
 import logging
-import pickle
+import weakref
 
 import mxnet as mx
 import numpy as np
@@ -44,6 +45,7 @@ class SlimGC(KVStoreBase):
         self._backup = None
         self._cttab = None
         self._bytes = {"pushed": 0, "pulled": 0, "fp32": 0}
+        _LIVE.add(self)
 
     # -- KVStoreBase properties ------------------------------------------------------------
     @property
@@ -295,8 +297,23 @@ class SlimGC(KVStoreBase):
         return self._cttab
 
     def close(self):
+        """Stop the pipeline threads and release the transport (idempotent)."""
+        _LIVE.discard(self)
         if self._pipeline is not None:
             self._pipeline.close()
+            self._pipeline = None
+        if self._transport is not None:
+            self._transport.close()
+
+
+_LIVE = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    """Join the background threads before MXNet's engine shuts down at exit."""
+    for kv in list(_LIVE):
+        kv.close()
 
 
 def _as_list(x):

@@ -190,6 +190,12 @@ class DistTransport(Transport):
         _wait_nd(recv, self.timeout)
         return recv.asnumpy()
 
+    def close(self):
+        """Finalize MXNet's kvstore while the interpreter is fully alive (collective)."""
+        if self._kv is not None:
+            mx.nd.waitall()
+            self._kv = None
+
 
 class ThreadGroup:
     """N in-process workers (threads) that sum through a shared dict: tests and demos.

@@ -1,0 +1,59 @@
+"""Multi-process jobs through the launcher on MXNet's own dist_sync (scheduler, servers, workers)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.multiprocess
+
+
+def _launch(workers, servers, command, timeout):
+    argv = [sys.executable, "-m", "slimgc_mx.launch", "-n", str(workers), "-s", str(servers),
+            "--launcher", "local", "--"] + command
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _job(tmp_path, name, *args):
+    out = tmp_path / name
+    _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out)] + list(args), 180)
+    ranks = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
+    weights = [dict(np.load(out / ("weights_rank%d.npz" % r))) for r in range(2)]
+    return ranks, weights
+
+
+def test_none_without_backup_follows_mxnet_dist_sync(tmp_path):
+    _, ref = _job(tmp_path, "dist_sync", "--kvstore", "dist_sync", "--steps", "20")
+    info, ours = _job(tmp_path, "slimgc", "--kvstore", "slimgc", "--compressor", "none",
+                      "--no-backup", "--steps", "20")
+    assert info[0]["sha256"] == info[1]["sha256"]
+    for name in ref[0]:
+        np.testing.assert_allclose(ours[0][name], ref[0][name], rtol=0, atol=1e-5)
+
+
+def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):
+    info, weights = _job(tmp_path, "slimgc2bit", "--kvstore", "slimgc", "--compressor", "2bit",
+                         "--steps", "12")
+    assert info[0]["sha256"] == info[1]["sha256"]
+    for name in weights[0]:
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])
+    stats = info[0]["stats"]
+    assert stats["comm_threshold_phase"] == "trained"
+    assert len(stats["cttab"]) >= 2  # sizes measured in the warm-up
+    assert stats["bytes_fp32"] > 0
+
+
+@pytest.mark.slow
+def test_train_script_mnist1d_cnn_2bit_backup_reaches_90_percent(tmp_path):
+    out = tmp_path / "train"
+    _launch(2, 2, [sys.executable, "scripts/train.py", "--kvstore", "slimgc", "--compressor",
+                   "2bit", "--model", "cnn1d", "--dataset", "mnist1d", "--epochs", "10",
+                   "--no-progress", "--json", str(out / "result.json")], 900)
+    results = [json.loads((out / ("result.rank%d.json" % r)).read_text()) for r in range(2)]
+    assert results[0]["final_test_accuracy"] >= 0.90, results[0]["history"]
+    assert results[0]["global_weights_sha256"] == results[1]["global_weights_sha256"]
