@@ -29,8 +29,11 @@ class MLP(nn.HybridBlock):
 class CNN1D(nn.HybridBlock):
     """Small 1-D conv net for (L,) or (C, L) signals such as MNIST-1D.
 
-    Tensors range from 32 (biases) and 160 (first conv) elements up to tens of
-    thousands (the dense layer), so a communication threshold splits them.
+    Convolutions are 2-D with (1, k) kernels on a (C, 1, L) view: MKLDNN reorders conv
+    weights in place at inference, and 3-D (Conv1D) weights in that layout can no
+    longer be written by a kvstore; 4-D ones can. No BatchNorm (MKLDNN's 1-D BN fails
+    at inference). Tensors range from 10-128 (biases) and 160 (first conv) elements to
+    81920 (the dense layer on (40,) inputs), so a communication threshold splits them.
     """
 
     def __init__(self, num_classes, channels=(32, 64, 64), hidden=128, add_channel_axis=True,
@@ -40,9 +43,11 @@ class CNN1D(nn.HybridBlock):
         with self.name_scope():
             self.body = nn.HybridSequential(prefix="")
             c1, c2, c3 = channels
-            self.body.add(nn.Conv1D(c1, kernel_size=5, padding=2, activation="relu"))
-            self.body.add(nn.Conv1D(c2, kernel_size=3, strides=2, padding=1, activation="relu"))
-            self.body.add(nn.Conv1D(c3, kernel_size=3, strides=2, padding=1, activation="relu"))
+            self.body.add(nn.Conv2D(c1, (1, 5), padding=(0, 2), activation="relu"))
+            self.body.add(nn.Conv2D(c2, (1, 3), padding=(0, 1), activation="relu"))
+            self.body.add(nn.MaxPool2D((1, 2), strides=(1, 2)))
+            self.body.add(nn.Conv2D(c3, (1, 3), padding=(0, 1), activation="relu"))
+            self.body.add(nn.MaxPool2D((1, 2), strides=(1, 2)))
             self.body.add(nn.Flatten())
             self.body.add(nn.Dense(hidden, activation="relu"))
             self.body.add(nn.Dense(num_classes))
@@ -50,7 +55,7 @@ class CNN1D(nn.HybridBlock):
     def hybrid_forward(self, F, x):
         if self._add_channel_axis:
             x = F.expand_dims(x, axis=1)  # (N, L) -> (N, 1, L)
-        return self.body(x)
+        return self.body(F.expand_dims(x, axis=2))  # (N, C, L) -> (N, C, 1, L)
 
 
 class BasicBlock(nn.HybridBlock):

@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""Train a Gluon model data-parallel through the SlimGC kvstore, stock dist_sync, or locally.
+
+Each worker trains on its own shard of the training set and evaluates on the full
+test set; rank 0 prints per-epoch lines and a summary and writes the JSON result.
+Distributed runs need the DMLC_* environment of a parameter-server job, e.g.
+
+    python -m slimgc_mx.launch -n 2 -s 2 --launcher local \\
+        python scripts/train.py --kvstore slimgc --compressor 2bit --model cnn1d --dataset mnist1d
+"""
+# Scheduler and server processes of a dist job enter their loop inside `import mxnet`
+# and exit there, so it comes before anything heavy.
+import mxnet as mx  # noqa: E402  (must stay first)
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import warnings
+
+import numpy as np
+from mxnet import autograd, gluon
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from slimgc_mx import datasets, models  # noqa: E402
+
+KVSTORES = ("slimgc", "dist_sync", "local")
+COMPRESSORS = ("none", "1bit", "2bit", "4bit")
+
+
+def comm_threshold(text):
+    """--comm-threshold: 'auto', 'off', or a size in bytes."""
+    t = text.strip().lower()
+    if t in ("auto", "off"):
+        return t
+    try:
+        v = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected auto, off or a byte count, got %r" % text)
+    if v < 0:
+        raise argparse.ArgumentTypeError("byte count must be >= 0, got %d" % v)
+    return v
+
+
+def positive_int(text):
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be > 0, got %d" % v)
+    return v
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Learning rate semantics: gradients are averaged over the global batch "
+               "(batch-size x workers), as in synchronous SGD.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("communication")
+    g.add_argument("--kvstore", choices=KVSTORES, default="slimgc",
+                   help="slimgc: the SlimGC plugin; dist_sync: stock MXNet parameter server; "
+                        "local: one process, no communication")
+    g.add_argument("--compressor", choices=COMPRESSORS, default=None,
+                   help="gradient codec; default 2bit for slimgc, none otherwise "
+                        "(dist_sync hands it to MXNet's own gradient compression)")
+    g.add_argument("--threshold", type=float, default=0.5,
+                   help="compressor threshold (quantization level scale)")
+    g.add_argument("--comm-threshold", type=comm_threshold, default="auto", metavar="auto|BYTES|off",
+                   help="slimgc: tensors smaller than this go uncompressed; auto = measured "
+                        "during warm-up (CTTab), off = compress every tensor")
+    g.add_argument("--no-backup", action="store_true",
+                   help="slimgc: disable model backup (wait for the global weights each step)")
+    g.add_argument("--no-offload", action="store_true",
+                   help="slimgc: encode on the gradient's device instead of CPU threads")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", choices=sorted(models.MODELS), default="cnn1d",
+                   help="mlp: flat inputs; cnn1d: 1-D signals; resnet20, vgg: (3,32,32) images")
+    g.add_argument("--dataset", choices=sorted(datasets.DATASETS), default="mnist1d",
+                   help="mnist1d, digits: real; synthetic-*: random images for throughput "
+                        "(synthetic-imagenet is (3,224,224), 1000 classes)")
+    g.add_argument("--num-train", type=positive_int, default=None,
+                   help="synthetic datasets: training samples over all workers")
+    g.add_argument("--image-size", type=positive_int, default=None,
+                   help="synthetic datasets: image height/width (synthetic-imagenet: 224)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--epochs", type=positive_int, default=10, help="passes over the shard")
+    g.add_argument("--batch-size", type=positive_int, default=32, help="per worker")
+    g.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--wd", type=float, default=0.0, help="weight decay")
+    g.add_argument("--seed", type=int, default=0,
+                   help="initial weights (same on all workers), shards and shuffling")
+    g.add_argument("--steps", type=positive_int, default=None,
+                   help="cap on steps per epoch (throughput runs)")
+    g = p.add_argument_group("output")
+    g.add_argument("--warmup-steps", type=int, default=10,
+                   help="steps left out of the median per-step throughput")
+    g.add_argument("--json", metavar="FILE", default=None, help="write the result here (rank 0)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-hybridize", action="store_true", help="run the model imperatively")
+    return p
+
+
+def make_kvstore(args):
+    """The kvstore object for --kvstore (None for local) and its compression_params."""
+    if args.kvstore == "local":
+        if args.compressor != "none":
+            warnings.warn("--kvstore local does not communicate; --compressor is ignored")
+        return None, None
+    if args.kvstore == "dist_sync":
+        if "DMLC_ROLE" not in os.environ:
+            sys.exit("--kvstore dist_sync needs a parameter-server job (DMLC_* environment); "
+                     "start it with: python -m slimgc_mx.launch -n N -s N --launcher local ...")
+        kv = mx.kv.create("dist_sync")
+        params = None
+        if args.compressor != "none":
+            params = {"type": args.compressor, "threshold": args.threshold}
+        return kv, params
+    import slimgc_mx  # noqa: F401  (registers the kvstore)
+    from mxnet.kvstore import KVStoreBase
+    if "slimgc" not in KVStoreBase.kv_registry:
+        try:
+            import slimgc_mx.kvstore  # noqa: F401
+        except ImportError as e:
+            sys.exit("the slimgc kvstore is not available (%s); use --kvstore dist_sync or local"
+                     % e)
+    if "slimgc" not in KVStoreBase.kv_registry:
+        sys.exit("importing slimgc_mx did not register a 'slimgc' kvstore")
+    kv = mx.kv.create("slimgc")
+    params = {"type": args.compressor, "threshold": args.threshold,
+              "comm_threshold": args.comm_threshold,
+              "backup": not args.no_backup, "offload": not args.no_offload}
+    return kv, params
+
+
+class PushThenPullTrainer(gluon.Trainer):
+    """Trainer for stock dist_sync with gradient compression, which rejects pushpull.
+
+    Same semantics as Trainer's own reduction: push the gradient, pull the weights
+    (optimizer on the servers) or the summed gradient.
+    """
+
+    def _allreduce_grads(self):
+        if not self._kvstore:
+            return
+        for i, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            self._kvstore.push(i, param.list_grad(), priority=-i)
+            out = param.list_data() if self._update_on_kvstore else param.list_grad()
+            self._kvstore.pull(i, out, priority=-i)
+
+
+class Evaluator:
+    """Top-1 accuracy on a twin of the trained net, refreshed from its parameters each call.
+
+    An inference forward makes MKLDNN reorder conv weights in place into a blocked
+    layout that kvstore writes cannot handle; evaluating on a twin keeps the trained
+    parameters in the default layout.
+    """
+
+    def __init__(self, make_net, input_shape, ctx, hybridize=True, batch_size=256):
+        self.net, self.ctx, self.batch_size = make_net(), ctx, batch_size
+        self.net.initialize(ctx=ctx)
+        if hybridize:
+            self.net.hybridize()
+        # Shape the twin's parameters without an inference forward (which would reorder them).
+        with mx.autograd.train_mode():
+            self.net(mx.nd.zeros((1,) + tuple(input_shape), ctx=ctx)).wait_to_read()
+
+    def __call__(self, trained, x, y):
+        src = list(trained.collect_params().values())
+        dst = list(self.net.collect_params().values())
+        for a, b in zip(src, dst):
+            a.data(self.ctx).copyto(b.data(self.ctx))
+        correct = 0
+        for i in range(0, len(y), self.batch_size):
+            out = self.net(mx.nd.array(x[i:i + self.batch_size], ctx=self.ctx))
+            pred = out.argmax(axis=1).asnumpy().astype(np.int64)
+            correct += int((pred == y[i:i + self.batch_size]).sum())
+        return correct / float(len(y))
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+        n /= 1024.0
+
+
+def progress_bar(total, desc, enabled):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    if not enabled:
+        return None
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.compressor is None:
+        args.compressor = "2bit" if args.kvstore == "slimgc" else "none"
+    if args.kvstore != "slimgc" and (args.no_backup or args.no_offload
+                                     or args.comm_threshold != "auto"):
+        warnings.warn("--comm-threshold/--no-backup/--no-offload apply to --kvstore slimgc only")
+    t_start = time.perf_counter()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    mx.random.seed(args.seed)
+    ctx = mx.cpu()
+
+    kv, compression_params = make_kvstore(args)
+    rank = kv.rank if kv is not None else 0
+    num_workers = kv.num_workers if kv is not None else 1
+    is_root = rank == 0
+
+    layout = "image" if args.model in ("resnet20", "vgg") else "flat"
+    data = datasets.load(args.dataset, rank=rank, num_workers=num_workers, seed=args.seed,
+                         layout=layout, num_train=args.num_train, image_size=args.image_size)
+    steps = data.steps_per_epoch(args.batch_size)
+    if steps == 0:
+        sys.exit("batch size %d is larger than a worker's shard (%d samples)"
+                 % (args.batch_size, data.num_train_total // num_workers))
+    if args.steps:
+        steps = min(steps, args.steps)
+
+    # Same initial weights everywhere: seeded init, materialized by one forward pass.
+    net = models.get_model(args.model, data.num_classes, data.input_shape)
+    net.initialize(mx.init.Xavier(rnd_type="gaussian", factor_type="in", magnitude=2), ctx=ctx)
+    if not args.no_hybridize:
+        net.hybridize()
+    with autograd.train_mode():  # no inference forward on the trained net (see Evaluator)
+        net(mx.nd.zeros((2,) + tuple(data.input_shape), ctx=ctx)).wait_to_read()
+    num_params, num_tensors = models.count_params(net)
+    evaluate = Evaluator(lambda: models.get_model(args.model, data.num_classes, data.input_shape),
+                         data.input_shape, ctx, hybridize=not args.no_hybridize)
+    mx.random.seed(args.seed * 1000 + rank)  # dropout masks differ between workers
+
+    native_compression = args.kvstore == "dist_sync" and compression_params is not None
+    trainer_cls = PushThenPullTrainer if native_compression else gluon.Trainer
+    trainer = trainer_cls(net.collect_params(), "sgd",
+                            {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd},
+                            kvstore=kv if kv is not None else "local",
+                            compression_params=compression_params)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    global_batch = args.batch_size * num_workers
+    show_bar = is_root and not args.no_progress and sys.stderr.isatty()
+
+    if is_root:
+        print("%s on %s | kvstore %s (%d worker%s) | compressor %s | %d params in %d tensors | "
+              "%d steps/epoch x %d, batch %d/worker"
+              % (args.model, args.dataset, args.kvstore, num_workers, "" if num_workers == 1 else "s",
+                 args.compressor if args.kvstore != "local" else "n/a", num_params, num_tensors,
+                 steps, args.epochs, args.batch_size), flush=True)
+
+    history, step_times = [], []
+    train_time = 0.0
+    for epoch in range(1, args.epochs + 1):
+        rng = np.random.default_rng([args.seed, rank, epoch])
+        order = rng.permutation(len(data.y_train))
+        bar = progress_bar(steps, "epoch %d/%d" % (epoch, args.epochs), show_bar)
+        loss_sum = 0.0
+        t0 = prev = time.perf_counter()
+        for s in range(steps):
+            idx = order[s * args.batch_size:(s + 1) * args.batch_size]
+            xb = mx.nd.array(data.x_train[idx], ctx=ctx)
+            yb = mx.nd.array(data.y_train[idx], ctx=ctx)
+            with autograd.record():
+                loss = loss_fn(net(xb), yb)
+            loss.backward()
+            trainer.step(global_batch)  # mean gradient over all workers' samples
+            lval = float(loss.mean().asscalar())  # sync point: this step's forward is done
+            if not np.isfinite(lval):
+                sys.exit("loss became %r at epoch %d step %d" % (lval, epoch, s + 1))
+            loss_sum += lval
+            now = time.perf_counter()
+            step_times.append(now - prev)
+            prev = now
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss="%.4f" % lval, refresh=False)
+        epoch_time = time.perf_counter() - t0
+        train_time += epoch_time
+        if bar is not None:
+            bar.close()
+        acc = evaluate(net, data.x_test, data.y_test)
+        rec = {"epoch": epoch, "train_loss": loss_sum / steps, "test_acc": acc,
+               "samples_per_s": steps * global_batch / epoch_time, "time_s": epoch_time,
+               "steps": steps}
+        history.append(rec)
+        if is_root:
+            print("epoch %3d  train loss %.4f  test acc %.4f  %9.1f samples/s  %6.1f s"
+                  % (epoch, rec["train_loss"], acc, rec["samples_per_s"], epoch_time), flush=True)
+
+    # The SlimGC kvstore may hold newer global weights than the (local-backup) params.
+    kvobj = getattr(trainer, "_kvstore", None) or kv
+    flush = getattr(kvobj, "flush", None)
+    if callable(flush):
+        flush()
+    final_acc = evaluate(net, data.x_test, data.y_test)
+    stats_fn = getattr(kvobj, "stats", None)
+    stats = stats_fn() if callable(stats_fn) else None
+
+    skip = min(max(args.warmup_steps, 0), len(step_times) // 2)
+    med_step = float(np.median(step_times[skip:])) if step_times else float("nan")
+    total_steps = len(step_times)
+    result = {
+        "args": vars(args),
+        "rank": rank,
+        "num_workers": num_workers,
+        "kvstore_type": getattr(kvobj, "type", None) if kvobj is not None else "local",
+        "model": {"name": args.model, "num_params": num_params, "num_tensors": num_tensors},
+        "dataset": {"name": args.dataset, "input_shape": list(data.input_shape),
+                    "num_classes": data.num_classes, "num_train_total": data.num_train_total,
+                    "shard_size": int(len(data.y_train)), "num_test": int(len(data.y_test))},
+        "steps_per_epoch": steps,
+        "global_batch": global_batch,
+        "history": history,
+        "final_test_acc": final_acc,
+        # Global samples (all workers) per second, measured on this rank.
+        "samples_per_s": {"median_step": global_batch / med_step if med_step > 0 else None,
+                          "overall": total_steps * global_batch / train_time if train_time else None,
+                          "per_worker_overall": (total_steps * args.batch_size / train_time
+                                                 if train_time else None),
+                          "warmup_steps_skipped": skip},
+        "train_time_s": train_time,
+        "wall_time_s": time.perf_counter() - t_start,
+        "kvstore_stats": stats,
+    }
+    if is_root:
+        summary = ["final test acc %.4f" % final_acc,
+                   "%.1f samples/s (median step), %.1f overall"
+                   % (result["samples_per_s"]["median_step"] or 0.0,
+                      result["samples_per_s"]["overall"] or 0.0)]
+        if stats:
+            ct = stats.get("comm_threshold_bytes")
+            phase = stats.get("comm_threshold_phase")
+            summary.append("comm threshold %s%s" % (fmt_bytes(ct) if isinstance(ct, int) else ct,
+                                                    " (%s)" % phase if phase else ""))
+            pushed, pulled, fp32 = (stats.get(k) for k in ("bytes_pushed", "bytes_pulled",
+                                                           "bytes_fp32"))
+            if pushed is not None and fp32:
+                summary.append("pushed %s, pulled %s vs %s fp32 (%.1f%% / %.1f%%)"
+                               % (fmt_bytes(pushed), fmt_bytes(pulled or 0), fmt_bytes(fp32),
+                                  100.0 * pushed / fp32, 100.0 * (pulled or 0) / fp32))
+        print("summary: " + " | ".join(summary), flush=True)
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=2, default=_json_default)
+            os.replace(tmp, args.json)
+    return result
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+if __name__ == "__main__":
+    main()
