@@ -3,13 +3,15 @@
 
 Every kernel takes caller-provided outputs and a thread count, and splits its work
 into fixed chunks of CHUNK_LANES lanes, so 1 thread and N threads give bitwise
-equal results. Validation lives in the Python wrappers (slimgc_mx.codecs).
+equal results (whichever thread runs a chunk, its arithmetic is the same).
+Validation lives in the Python wrappers (slimgc_mx.codecs); the kernels only guard
+the sizes their raw-pointer loops rely on.
 """
 from cython.parallel cimport prange
 from libc.math cimport fabs, fabsf
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
-from lane_consts cimport CHECK_CHUNK, CHUNK_LANES, GROUP, ROW
+from lane_consts cimport CHECK_CHUNK, CHUNK_LANES, GROUP, MAX_DIGITS, ROW
 
 chunk_lanes = CHUNK_LANES
 check_chunk = CHECK_CHUNK
@@ -19,7 +21,14 @@ cdef inline Py_ssize_t _ceil_div(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return (a + b - 1) // b
 
 
-cdef Py_ssize_t _count_bad(const float* g, const float* r, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
+cdef inline int _team(int num_threads, Py_ssize_t n_chunks) noexcept nogil:
+    # No more threads than chunks (small arrays run on one); chunks are handed out
+    # dynamically, so a preempted thread on a busy machine does not hold up the rest.
+    return <int>max(1, min(<Py_ssize_t>num_threads, n_chunks))
+
+
+cdef Py_ssize_t _count_bad(const float* g, const float* r, Py_ssize_t lo,
+                           Py_ssize_t hi) noexcept nogil:
     cdef Py_ssize_t j, bad = 0
     cdef float c
     for j in range(lo, hi):
@@ -33,59 +42,99 @@ def count_nonfinite(const float[::1] grad, const float[::1] residual, int num_th
     cdef Py_ssize_t n = grad.shape[0]
     cdef Py_ssize_t n_chunks = _ceil_div(n, CHECK_CHUNK)
     cdef Py_ssize_t c, bad = 0
+    if residual.shape[0] != n:
+        raise ValueError("residual has %d elements, grad %d" % (residual.shape[0], n))
     if n == 0:
         return 0
     cdef const float* g = &grad[0]
     cdef const float* r = &residual[0]
     with nogil:
-        for c in prange(n_chunks, schedule="static", num_threads=num_threads):
+        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
             bad += _count_bad(g, r, c * CHECK_CHUNK, min((c + 1) * CHECK_CHUNK, n))
     return bad
 
 
 # ---------------------------------------------------------------- encoders
+cdef Py_ssize_t _check_shapes(Py_ssize_t n, Py_ssize_t n_residual, Py_ssize_t n_out,
+                              Py_ssize_t k) except -1:
+    """Guard the raw-pointer loops: returns ceil(n / k), the lanes the kernel writes."""
+    if n_residual != n:
+        raise ValueError("residual has %d elements, grad %d" % (n_residual, n))
+    if k < 1 or k > MAX_DIGITS:
+        raise ValueError("digits per lane must be in 1..%d, got %d" % (MAX_DIGITS, k))
+    if n_out < _ceil_div(n, k):
+        raise ValueError("lanes has %d elements, needs %d" % (n_out, _ceil_div(n, k)))
+    return _ceil_div(n, k)
+
+
 # Per lane i (elements i*k .. i*k+k-1): c = g + r; q = level(c); r = c - own[q];
 # lane = sum_j q_j * R**j, built in uint64 (exact below 2**53), stored as float64.
 
-cdef void _enc_2bit(const float* g, float* r, double* lanes, const uint64_t* pw,
-                    const float* own, float t, Py_ssize_t lo, Py_ssize_t hi,
-                    Py_ssize_t n, Py_ssize_t k) noexcept nogil:
-    cdef Py_ssize_t i, j, start, stop
-    cdef uint64_t acc
+cdef inline uint64_t _pack(const int* q, const uint64_t* pw, Py_ssize_t cnt) noexcept nogil:
+    cdef Py_ssize_t j
+    cdef uint64_t acc = 0
+    for j in range(cnt):
+        acc += <uint64_t>q[j] * pw[j]
+    return acc
+
+
+cdef inline void _levels_2bit(const float* g, float* r, int* q, Py_ssize_t cnt,
+                              float t) noexcept nogil:
+    # Branch-free so it vectorizes; t * (q - 1) in float32 is exact, so it equals
+    # own[q] = float32(double(t) * (q - 1)) bit for bit.
+    cdef Py_ssize_t j
     cdef float c
-    cdef int q
+    cdef int d
+    for j in range(cnt):
+        c = g[j] + r[j]
+        d = (c >= t) - (c <= -t)
+        q[j] = 1 + d
+        r[j] = c - t * <float>d
+
+
+cdef void _enc_2bit(const float* g, float* r, double* lanes, const uint64_t* pw,
+                    float t, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
+                    Py_ssize_t k) noexcept nogil:
+    cdef Py_ssize_t i, start, cnt
+    cdef int q[MAX_DIGITS]
     for i in range(lo, hi):
         start = i * k
-        stop = min(start + k, n)
-        acc = 0
-        for j in range(start, stop):
-            c = g[j] + r[j]
-            q = 1 + (c >= t) - (c <= -t)
-            r[j] = c - own[q]
-            acc += <uint64_t>q * pw[j - start]
-        lanes[i] = <double><int64_t>acc
+        cnt = min(k, n - start)
+        _levels_2bit(g + start, r + start, q, cnt, t)
+        lanes[i] = <double><int64_t>_pack(q, pw, cnt)
+
+
+cdef inline void _levels_1bit(const float* g, float* r, int* q, float* comp,
+                              Py_ssize_t cnt, float s) noexcept nogil:
+    # q = (c >= 0); s * (2q - 1) in float32 equals own[q] bit for bit. Keeps c in comp.
+    cdef Py_ssize_t j
+    cdef float c
+    cdef int b
+    for j in range(cnt):
+        c = g[j] + r[j]
+        comp[j] = c
+        b = c >= 0
+        q[j] = b
+        r[j] = c - s * <float>(2 * b - 1)
 
 
 cdef double _enc_1bit(const float* g, float* r, double* lanes, const uint64_t* pw,
-                      const float* own, Py_ssize_t lo, Py_ssize_t hi,
-                      Py_ssize_t n, Py_ssize_t k) noexcept nogil:
-    cdef Py_ssize_t i, j, start, stop
-    cdef uint64_t acc
-    cdef float c
-    cdef int q
-    cdef double s = 0.0
+                      float s, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
+                      Py_ssize_t k) noexcept nogil:
+    # Returns sum |c| over the chunk, added in element order (a loop of its own, so the
+    # level loop still vectorizes).
+    cdef Py_ssize_t i, j, start, cnt
+    cdef int q[MAX_DIGITS]
+    cdef float comp[MAX_DIGITS]
+    cdef double total = 0.0
     for i in range(lo, hi):
         start = i * k
-        stop = min(start + k, n)
-        acc = 0
-        for j in range(start, stop):
-            c = g[j] + r[j]
-            q = c >= 0
-            r[j] = c - own[q]
-            acc += <uint64_t>q * pw[j - start]
-            s += fabs(<double>c)
-        lanes[i] = <double><int64_t>acc
-    return s
+        cnt = min(k, n - start)
+        _levels_1bit(g + start, r + start, q, comp, cnt, s)
+        lanes[i] = <double><int64_t>_pack(q, pw, cnt)
+        for j in range(cnt):
+            total += fabs(<double>comp[j])
+    return total
 
 
 cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* pw,
@@ -115,11 +164,10 @@ cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* p
 
 
 def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, const float[::1] own, float threshold,
-                int num_threads):
+                const uint64_t[::1] powers, float threshold, int num_threads):
     """2bit: levels {-t, 0, +t} -> q in {0, 1, 2}; fills lanes[:ceil(n/k)], updates residual."""
     cdef Py_ssize_t n = grad.shape[0], k = powers.shape[0]
-    cdef Py_ssize_t n_lanes = _ceil_div(n, k)
+    cdef Py_ssize_t n_lanes = _check_shapes(n, residual.shape[0], lanes.shape[0], k)
     cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c
     if n == 0:
         return
@@ -127,32 +175,32 @@ def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
     cdef float* r = &residual[0]
     cdef double* out = &lanes[0]
     cdef const uint64_t* pw = &powers[0]
-    cdef const float* ow = &own[0]
     with nogil:
-        for c in prange(n_chunks, schedule="static", num_threads=num_threads):
-            _enc_2bit(g, r, out, pw, ow, threshold, c * CHUNK_LANES,
+        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
+            _enc_2bit(g, r, out, pw, threshold, c * CHUNK_LANES,
                       min((c + 1) * CHUNK_LANES, n_lanes), n, k)
 
 
 def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, const float[::1] own, double[::1] partials,
+                const uint64_t[::1] powers, float scale, double[::1] partials,
                 int num_threads):
-    """1bit: q = (c >= 0); returns sum |c| (chunk partials summed in order)."""
+    """1bit: q = (c >= 0), value scale * (2q - 1); returns sum |c| (chunk partials in order)."""
     cdef Py_ssize_t n = grad.shape[0], k = powers.shape[0]
-    cdef Py_ssize_t n_lanes = _ceil_div(n, k)
+    cdef Py_ssize_t n_lanes = _check_shapes(n, residual.shape[0], lanes.shape[0], k)
     cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c
     cdef double total = 0.0
+    if partials.shape[0] < n_chunks:
+        raise ValueError("partials needs %d elements" % n_chunks)
     if n == 0:
         return total
     cdef const float* g = &grad[0]
     cdef float* r = &residual[0]
     cdef double* out = &lanes[0]
     cdef const uint64_t* pw = &powers[0]
-    cdef const float* ow = &own[0]
     cdef double* part = &partials[0]
     with nogil:
-        for c in prange(n_chunks, schedule="static", num_threads=num_threads):
-            part[c] = _enc_1bit(g, r, out, pw, ow, c * CHUNK_LANES,
+        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
+            part[c] = _enc_1bit(g, r, out, pw, scale, c * CHUNK_LANES,
                                 min((c + 1) * CHUNK_LANES, n_lanes), n, k)
         for c in range(n_chunks):
             total += part[c]
@@ -167,9 +215,11 @@ def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
     units[0] = 0, units[1:] are the thresholds in base units; own has 2*offset+1 values.
     """
     cdef Py_ssize_t n = grad.shape[0], k = powers.shape[0]
-    cdef Py_ssize_t n_lanes = _ceil_div(n, k)
+    cdef Py_ssize_t n_lanes = _check_shapes(n, residual.shape[0], lanes.shape[0], k)
     cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c
     cdef double total = 0.0
+    if partials.shape[0] < n_chunks:
+        raise ValueError("partials needs %d elements" % n_chunks)
     if thresholds.shape[0] != 7 or units.shape[0] != 8 or own.shape[0] != 2 * offset + 1:
         raise ValueError("encode_4bit needs 7 thresholds, 8 units and 2*offset+1 values")
     if units[0] != 0 or units[7] > offset:
@@ -185,7 +235,7 @@ def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
     cdef const int* un = &units[0]
     cdef double* part = &partials[0]
     with nogil:
-        for c in prange(n_chunks, schedule="static", num_threads=num_threads):
+        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
             part[c] = _enc_4bit(g, r, out, pw, ow, th, un, offset, c * CHUNK_LANES,
                                 min((c + 1) * CHUNK_LANES, n_lanes), n, k)
         for c in range(n_chunks):
@@ -203,7 +253,7 @@ cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
 
 def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, int num_threads):
     """Passthrough: lanes = grad + residual (float32), residual = 0."""
-    cdef Py_ssize_t n = grad.shape[0]
+    cdef Py_ssize_t n = _check_shapes(grad.shape[0], residual.shape[0], lanes.shape[0], 1)
     cdef Py_ssize_t n_chunks = _ceil_div(n, CHECK_CHUNK), c
     if n == 0:
         return
@@ -211,7 +261,7 @@ def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, in
     cdef float* r = &residual[0]
     cdef float* out = &lanes[0]
     with nogil:
-        for c in prange(n_chunks, schedule="static", num_threads=num_threads):
+        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
             _copy_sum(g, r, out, c * CHECK_CHUNK, min((c + 1) * CHECK_CHUNK, n))
 
 
@@ -236,12 +286,15 @@ cdef inline int64_t _divmod(int64_t* x, int64_t rm, double inv_rm) noexcept nogi
     return rem
 
 
-cdef void _dec(const double* lanes, float* out, const float* rows, Py_ssize_t lo,
-               Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm,
-               double inv_rm) noexcept nogil:
-    cdef Py_ssize_t i = lo, b, nb, pos, cnt, t
+cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssize_t lo,
+                     Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm,
+                     double inv_rm) noexcept nogil:
+    # Returns the number of lanes outside [0, 2**53) (NaN included), decoded as 0: the
+    # division is only exact below 2**53, and table rows must never be read out of range.
+    cdef Py_ssize_t i = lo, b, nb, pos, cnt, t, bad = 0
     cdef int64_t x[GROUP]
     cdef int64_t s
+    cdef double v
     cdef const float* src
     cdef float* dst
     while i < hi:
@@ -249,7 +302,12 @@ cdef void _dec(const double* lanes, float* out, const float* rows, Py_ssize_t lo
         # independent division chains. The block's last lane may be partial.
         nb = min(<Py_ssize_t>GROUP, hi - i)
         for b in range(nb):
-            x[b] = <int64_t>lanes[i + b]
+            v = lanes[i + b]
+            if v >= 0 and v < 9007199254740992.0:
+                x[b] = <int64_t>v
+            else:
+                x[b] = 0
+                bad += 1
         pos = 0
         while pos < k:
             if pos + ROW <= k and (i + nb) * k <= n:
@@ -268,6 +326,7 @@ cdef void _dec(const double* lanes, float* out, const float* rows, Py_ssize_t lo
                         dst[t] = src[t]
             pos += m
         i += nb
+    return bad
 
 
 def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
@@ -279,18 +338,25 @@ def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
     """
     cdef Py_ssize_t n = out.shape[0]
     cdef int64_t rm = rows.shape[0] // ROW
-    cdef Py_ssize_t n_lanes = _ceil_div(n, k)
-    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c
-    cdef double inv_rm = 1.0 / <double>rm
-    if m < 1 or m > ROW or rows.shape[0] % ROW:
-        raise ValueError("decode_lanes: rows must be R**m rows of %d floats, 1 <= m <= %d"
-                         % (ROW, ROW))
+    cdef Py_ssize_t n_lanes, n_chunks, c, bad = 0
+    cdef double inv_rm
+    if m < 1 or m > ROW or rm < 2 or rows.shape[0] % ROW or k < 1 or k > MAX_DIGITS:
+        raise ValueError("decode_lanes: rows must be R**m rows of %d floats, 1 <= m <= %d, "
+                         "1 <= k <= %d" % (ROW, ROW, MAX_DIGITS))
+    n_lanes = _ceil_div(n, k)
+    n_chunks = _ceil_div(n_lanes, CHUNK_LANES)
+    inv_rm = 1.0 / <double>rm
+    if lanes.shape[0] < n_lanes:
+        raise ValueError("lanes has %d elements, needs %d" % (lanes.shape[0], n_lanes))
     if n == 0:
         return
     cdef const double* ln = &lanes[0]
     cdef float* o = &out[0]
     cdef const float* tb = &rows[0]
     with nogil:
-        for c in prange(n_chunks, schedule="static", num_threads=num_threads):
-            _dec(ln, o, tb, c * CHUNK_LANES, min((c + 1) * CHUNK_LANES, n_lanes), n, k, m,
-                 rm, inv_rm)
+        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
+            bad += _dec(ln, o, tb, c * CHUNK_LANES, min((c + 1) * CHUNK_LANES, n_lanes), n, k,
+                        m, rm, inv_rm)
+    if bad:
+        raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
+                         "(wrong codec, worker count or corrupted data)" % bad)

@@ -10,3 +10,5 @@ cdef enum:
     GROUP = 8
     # Width (float32 values) of a decoder table row: one fixed-size copy per super-digit.
     ROW = 8
+    # Most digits a lane can hold (radix >= 2, 2**53): size of the encoders' level buffer.
+    MAX_DIGITS = 53

@@ -363,6 +363,17 @@ def test_bad_inputs(name, reference):
     np.testing.assert_array_equal(r, 0)
 
 
+@pytest.mark.parametrize("reference", [False, True])
+@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("lane", [np.nan, -1.0, 2.0 ** 53, np.inf])
+def test_decode_refuses_lanes_out_of_range(name, reference, lane):
+    c = codecs.create(name, num_threads=2, reference=reference)
+    total = np.zeros(c.lane_count(100, 2))
+    total[1] = lane
+    with pytest.raises(ValueError, match="outside"):
+        c.decode(total, 100, 2)
+
+
 def read_only_zeros(n):
     a = np.zeros(n, np.float32)
     a.setflags(write=False)

@@ -71,5 +71,5 @@ class FourBit(Codec):
     def _encode_into(self, grad, residual, out, radix, k):
         units = np.array((0,) + GROUPS[self.group], dtype=np.intc)
         return kernels().encode_4bit(grad, residual, out, self._powers(radix, k),
-                                     self._own_values(), group_thresholds(self.group), units, MAX_UNITS,
-                                     partials_buffer(out.shape[0]), self.num_threads)
+                                     self._own_values(), group_thresholds(self.group), units,
+                                     MAX_UNITS, partials_buffer(out.shape[0]), self.num_threads)

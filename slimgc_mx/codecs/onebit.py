@@ -5,6 +5,8 @@ float64 trailer lane, its mean |g + r| at this push; decode() sets the scale of 
 NEXT push to (trailer sum) / N, a value every worker receives identically. The first
 push has s = 0: it sends only the statistic and error feedback keeps the gradient.
 """
+import numpy as np
+
 from .base import Codec, kernels, partials_buffer
 
 
@@ -42,5 +44,5 @@ class OneBit(Codec):
 
     def _encode_into(self, grad, residual, out, radix, k):
         return kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
-                                     self._own_values(), partials_buffer(out.shape[0]),
+                                     np.float32(self.scale), partials_buffer(out.shape[0]),
                                      self.num_threads)

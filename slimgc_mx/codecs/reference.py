@@ -44,7 +44,12 @@ class ReferenceMixin:
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         n = out.shape[0]
-        x = lanes_sum[:-(-n // k)].astype(np.int64)
+        v = lanes_sum[:-(-n // k)]
+        bad = np.count_nonzero(~((v >= 0) & (v < 2.0 ** 53)))
+        if bad:
+            raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
+                             "(wrong codec, worker count or corrupted data)" % bad)
+        x = v.astype(np.int64)
         powers = np.array([radix ** j for j in range(k)], dtype=np.int64)
         digits = (x[:, None] // powers[None, :]) % radix
         out[...] = self._values(digits.ravel()[:n], num_workers)

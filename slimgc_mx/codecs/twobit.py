@@ -16,5 +16,5 @@ class TwoBit(Codec):
         return float(np.float32(self._threshold)), 1, -1
 
     def _encode_into(self, grad, residual, out, radix, k):
-        kernels().encode_2bit(grad, residual, out, self._powers(radix, k), self._own_values(),
+        kernels().encode_2bit(grad, residual, out, self._powers(radix, k),
                               np.float32(self._threshold), self.num_threads)
