@@ -1,0 +1,175 @@
+"""Codec throughput against memcpy and the NumPy reference, and wire bits per element.
+
+Every rate is elements per second, the best of --repeat runs of the public API with
+caller-owned outputs (as the pipeline calls it), all measured in the same run so the
+ratios compare like with like.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .. import codecs
+from .._threads import available_cpus, default_num_threads
+
+DESCRIPTION = "codec encode/decode throughput vs memcpy and the NumPy reference; wire bits"
+WIRE_WORKERS = (1, 2, 4, 8, 16, 32)
+
+
+def parse_args(argv, prog):
+    p = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION + ".",
+        epilog="Rates are elements/s, best of --repeat runs (the median is in the JSON). "
+               "Encode includes the NaN/Inf pre-check; decode starts from the lanes of "
+               "--workers workers summed. JSON keys: memcpy_elems_per_s, "
+               "codecs.<name>.{encode,decode}_elems_per_s (all threads), "
+               "codecs.<name>.{encode,decode}_1thread_elems_per_s, "
+               "codecs.<name>.reference_{encode,decode}_elems_per_s, ratios, and "
+               "wire_bits.<name>.<N> for N in %s." % (", ".join(map(str, WIRE_WORKERS))))
+    p.add_argument("--size", type=int, default=1 << 24,
+                   help="float32 elements per array (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=5,
+                   help="timed runs per measurement, after one warm-up (default: %(default)s)")
+    p.add_argument("--reference-repeat", type=int, default=2,
+                   help="timed runs of the (slow) NumPy reference (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="number of workers N, which sets the lane geometry (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="kernel threads for the all-threads rates (default: SLIMGC_NUM_THREADS, "
+                        "else the CPUs this process may use)")
+    p.add_argument("--threshold", type=float, default=0.5,
+                   help="2bit threshold (default: %(default)s)")
+    p.add_argument("--codecs", default=",".join(codecs.available()),
+                   help="comma-separated codec names (default: %(default)s)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--seed", type=int, default=0, help="gradient RNG seed (default: 0)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.codecs.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(codecs.available()))
+    if unknown:
+        p.error("unknown codec(s) %s; valid: %s" % (", ".join(unknown),
+                                                    ", ".join(codecs.available())))
+    for name in ("size", "repeat", "reference_repeat", "workers"):
+        if getattr(args, name) < 1:
+            p.error("--%s must be >= 1" % name.replace("_", "-"))
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    args.codecs = names
+    return args
+
+
+def timed(fn, repeat):
+    """(best, median) seconds of `repeat` calls of fn, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def rates(size, seconds):
+    best, median = seconds
+    return size / best, size / median
+
+
+def bench_codec(name, args, grad, n_threads):
+    """Rates of one codec: encode/decode with all threads and with one, and the reference."""
+    n, n_workers = grad.shape[0], args.workers
+    threshold = args.threshold if name == "2bit" else None
+    result = {}
+    for label, impl in (("", dict(num_threads=n_threads)), ("_1thread", dict(num_threads=1)),
+                        ("reference_", dict(reference=True))):
+        c = codecs.create(name, threshold=threshold, **impl)
+        residual = np.zeros(n, np.float32)
+        lanes = np.empty(c.lane_count(n, n_workers), c.wire_dtype)
+        out = np.empty(n, np.float32)
+        repeat = args.reference_repeat if impl.get("reference") else args.repeat
+        enc = rates(n, timed(lambda: c.encode(grad, residual, n_workers, out=lanes), repeat))
+        total = lanes * n_workers   # N identical workers: every digit sum stays below R
+        dec = rates(n, timed(lambda: c.decode(total, n, n_workers, out=out), repeat))
+        if label == "reference_":
+            keys = ("reference_encode", "reference_decode")
+        else:
+            keys = ("encode" + label, "decode" + label)
+        result[keys[0] + "_elems_per_s"], result[keys[0] + "_median_elems_per_s"] = enc
+        result[keys[1] + "_elems_per_s"], result[keys[1] + "_median_elems_per_s"] = dec
+    return result
+
+
+def run(args):
+    n_threads = args.threads or default_num_threads()
+    rng = np.random.default_rng(args.seed)
+    grad = (rng.standard_normal(args.size) * 0.5).astype(np.float32)
+    dst = np.empty_like(grad)
+    memcpy = rates(args.size, timed(lambda: np.copyto(dst, grad), args.repeat))
+    del dst
+    report = {
+        "machine": {"cpus_available": available_cpus(), "threads": n_threads,
+                    "platform": platform.platform(), "processor": platform.processor(),
+                    "python": platform.python_version(), "numpy": np.__version__,
+                    "load_average": list(os.getloadavg())},
+        "params": {"size": args.size, "repeat": args.repeat,
+                   "reference_repeat": args.reference_repeat, "workers": args.workers,
+                   "threshold_2bit": args.threshold, "seed": args.seed,
+                   "timing": "elements/s of the best run; *_median_* of the median run"},
+        "memcpy_elems_per_s": memcpy[0],
+        "memcpy_median_elems_per_s": memcpy[1],
+        "codecs": {},
+        "wire_bits": {},
+    }
+    for name in args.codecs:
+        r = bench_codec(name, args, grad, n_threads)
+        for op in ("encode", "decode"):
+            r[op + "_vs_memcpy"] = r[op + "_elems_per_s"] / memcpy[0]
+            r[op + "_vs_reference"] = r[op + "_elems_per_s"] / r["reference_%s_elems_per_s" % op]
+            r[op + "_thread_speedup"] = r[op + "_elems_per_s"] / r[op + "_1thread_elems_per_s"]
+        report["codecs"][name] = r
+        c = codecs.create(name, threshold=args.threshold if name == "2bit" else None)
+        report["wire_bits"][name] = {str(w): c.wire_bits_per_element(w) for w in WIRE_WORKERS}
+    report["machine"]["load_average_after"] = list(os.getloadavg())
+    return report
+
+
+def format_table(report):
+    m = report["machine"]
+    p = report["params"]
+    lines = ["codec benchmark: %d float32 elements, N=%d workers, %d threads (%d CPUs), "
+             "best of %d" % (p["size"], p["workers"], m["threads"], m["cpus_available"],
+                             p["repeat"]),
+             "memcpy (numpy.copyto): %.1f M elem/s" % (report["memcpy_elems_per_s"] / 1e6), "",
+             "%-5s %-6s %10s %10s %10s %9s %9s %8s" % (
+                 "codec", "op", "M elem/s", "1 thread", "reference", "x memcpy", "x ref",
+                 "x thr")]
+    for name, r in report["codecs"].items():
+        for op in ("encode", "decode"):
+            lines.append("%-5s %-6s %10.1f %10.1f %10.1f %9.2f %9.1f %8.2f" % (
+                name, op, r[op + "_elems_per_s"] / 1e6, r[op + "_1thread_elems_per_s"] / 1e6,
+                r["reference_%s_elems_per_s" % op] / 1e6, r[op + "_vs_memcpy"],
+                r[op + "_vs_reference"], r[op + "_thread_speedup"]))
+    lines += ["", "wire bits per element, each direction (N workers):",
+              "%-5s " % "codec" + " ".join("%7s" % ("N=" + w) for w in map(str, WIRE_WORKERS))]
+    for name, bits in report["wire_bits"].items():
+        lines.append("%-5s " % name + " ".join("%7.2f" % bits[str(w)] for w in WIRE_WORKERS))
+    lines.append("load average before/after: %s / %s" % (
+        ", ".join("%.2f" % x for x in m["load_average"]),
+        ", ".join("%.2f" % x for x in m["load_average_after"])))
+    return "\n".join(lines)
+
+
+def main(argv=None, prog="python -m slimgc_mx.bench codecs"):
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    report = run(args)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, sort_keys=True)
+            f.write("\n")
+        print("wrote %s" % args.json)
+    return 0
