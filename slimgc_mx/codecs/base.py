@@ -222,7 +222,10 @@ class Codec:
 
     def _own_values(self):
         """Decoded value of each level for one worker: the error-feedback subtrahend."""
-        return self._values(np.arange(self.levels), 1)
+        key = ("own", self._affine())
+        if key not in self._cache:
+            self._cache[key] = self._values(np.arange(self.levels), 1)
+        return self._cache[key]
 
     def _powers(self, radix, k):
         key = ("powers", radix, k)

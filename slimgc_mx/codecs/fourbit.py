@@ -36,6 +36,11 @@ def group_thresholds(group):
     return (UNIT * np.array(GROUPS[group], dtype=np.float64)).astype(np.float32)
 
 
+# Kernel arguments per group: thresholds, and units with a leading 0 (below X1).
+_KERNEL_ARGS = {g: (group_thresholds(g), np.array((0,) + u, dtype=np.intc))
+                for g, u in GROUPS.items()}
+
+
 class FourBit(Codec):
     """Paper-exact 4bit with per-key threshold groups agreed through decode().
 
@@ -69,7 +74,7 @@ class FourBit(Codec):
         self.group = int(state["group"])
 
     def _encode_into(self, grad, residual, out, radix, k):
-        units = np.array((0,) + GROUPS[self.group], dtype=np.intc)
+        thresholds, units = _KERNEL_ARGS[self.group]
         return kernels().encode_4bit(grad, residual, out, self._powers(radix, k),
-                                     self._own_values(), group_thresholds(self.group), units,
-                                     MAX_UNITS, partials_buffer(out.shape[0]), self.num_threads)
+                                     self._own_values(), thresholds, units, MAX_UNITS,
+                                     partials_buffer(out.shape[0]), self.num_threads)

@@ -1,0 +1,41 @@
+"""The codec benchmark and the bench dispatcher: runs, keys of the JSON report, errors."""
+import json
+
+import pytest
+
+from slimgc_mx import bench
+from slimgc_mx.bench import codecs as bench_codecs
+
+
+def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
+    out = tmp_path / "codecs.json"
+    rc = bench.main(["codecs", "--size", "5000", "--repeat", "1", "--reference-repeat", "1",
+                     "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["memcpy_elems_per_s"] > 0
+    assert sorted(report["codecs"]) == ["1bit", "2bit", "4bit", "none"]
+    for name, r in report["codecs"].items():
+        for key in ("encode_elems_per_s", "decode_elems_per_s", "encode_1thread_elems_per_s",
+                    "decode_1thread_elems_per_s", "reference_encode_elems_per_s",
+                    "reference_decode_elems_per_s"):
+            assert r[key] > 0, (name, key)
+        assert r["encode_vs_memcpy"] == pytest.approx(
+            r["encode_elems_per_s"] / report["memcpy_elems_per_s"])
+        assert set(report["wire_bits"][name]) == {"1", "2", "4", "8", "16", "32"}
+    assert report["wire_bits"]["2bit"]["1"] == pytest.approx(64 / 33)
+    table = capsys.readouterr().out
+    assert "memcpy" in table and "2bit" in table and "wire bits" in table
+
+
+def test_bench_dispatcher_help_and_errors(capsys):
+    assert bench.main(["--help"]) == 0
+    assert "codecs" in capsys.readouterr().out
+    assert bench.main([]) == 2
+    assert bench.main(["nope"]) == 2
+    assert "unknown subcommand" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench_codecs.main(["--codecs", "3bit"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        bench_codecs.main(["--size", "0"])
