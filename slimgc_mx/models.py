@@ -106,10 +106,11 @@ class VGG(nn.HybridBlock):
     """VGG-style net for 32x32 images: conv+BN features, then two 4096-wide FC layers.
 
     Communication-heavy on purpose: ~30M parameters, ~85% of them in the FC layers.
+    Larger inputs are average-pooled to 2x2 before the FC layers, so the size holds.
     """
 
     def __init__(self, num_classes, cfg=(64, "M", 128, "M", 256, 256, "M", 512, 512, "M"),
-                 fc=4096, dropout=0.5, **kwargs):
+                 fc=4096, dropout=0.5, feature_size=2, **kwargs):
         super().__init__(**kwargs)
         with self.name_scope():
             self.features = nn.HybridSequential(prefix="")
@@ -120,6 +121,9 @@ class VGG(nn.HybridBlock):
                     self.features.add(nn.Conv2D(v, 3, padding=1, use_bias=False))
                     self.features.add(nn.BatchNorm())
                     self.features.add(nn.Activation("relu"))
+            if feature_size > 2:
+                k = feature_size // 2
+                self.features.add(nn.AvgPool2D(pool_size=k, strides=k))
             self.classifier = nn.HybridSequential(prefix="")
             self.classifier.add(nn.Flatten())
             for _ in range(2):
@@ -146,15 +150,22 @@ def _image(builder, name):
     def make(num_classes, input_shape):
         if len(input_shape) != 3:
             raise ValueError("%s needs (C, H, W) inputs, got input_shape=%r" % (name, input_shape))
-        return builder(num_classes)
+        return builder(num_classes, input_shape)
     return make
+
+
+def _vgg(num_classes, input_shape):
+    h, w = input_shape[1:]
+    if min(h, w) < 32 or h != w:
+        raise ValueError("vgg needs square images of at least 32x32, got %r" % (input_shape,))
+    return VGG(num_classes, feature_size=h // 16)
 
 
 MODELS = {
     "mlp": _mlp,
     "cnn1d": _cnn1d,
-    "resnet20": _image(lambda k: ResNetCIFAR(k, n=3), "resnet20"),
-    "vgg": _image(VGG, "vgg"),
+    "resnet20": _image(lambda k, shape: ResNetCIFAR(k, n=3), "resnet20"),
+    "vgg": _image(_vgg, "vgg"),
 }
 
 

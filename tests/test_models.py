@@ -60,6 +60,14 @@ def test_vgg_is_communication_heavy():
     assert largest >= 4096 * 4096
 
 
+def test_vgg_size_does_not_grow_with_image_size():
+    small = count_params(_built("vgg", (3, 32, 32), num_classes=1000)[0])
+    big = count_params(_built("vgg", (3, 64, 64), num_classes=1000)[0])
+    assert small == big
+    with pytest.raises(ValueError):
+        get_model("vgg", 10, (1, 8, 8))
+
+
 def test_cnn1d_mixes_small_and_large_tensors():
     net, _ = _built("cnn1d", (40,))
     sizes = [p.data().size for p in net.collect_params().values()]
