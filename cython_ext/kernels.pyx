@@ -7,11 +7,24 @@ equal results (whichever thread runs a chunk, its arithmetic is the same).
 Validation lives in the Python wrappers (slimgc_mx.codecs); the kernels only guard
 the sizes their raw-pointer loops rely on.
 """
-from cython.parallel cimport prange
+from cython.parallel cimport parallel, prange
+from libc.stdlib cimport calloc, free
 from libc.math cimport fabs, fabsf
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
 from lane_consts cimport CHECK_CHUNK, CHUNK_LANES, GROUP, MAX_DIGITS, ROW
+
+cdef extern from *:
+    """
+    /* Orphaned barrier: binds to the enclosing parallel region (prange's loops are
+       "omp for nowait"); a no-op without OpenMP. */
+    static inline void slimgc_barrier(void) {
+    #ifdef _OPENMP
+        #pragma omp barrier
+    #endif
+    }
+    """
+    void slimgc_barrier() noexcept nogil
 
 chunk_lanes = CHUNK_LANES
 check_chunk = CHECK_CHUNK
@@ -34,23 +47,6 @@ cdef Py_ssize_t _count_bad(const float* g, const float* r, Py_ssize_t lo,
     for j in range(lo, hi):
         c = g[j] + r[j]
         bad += not (fabsf(c) <= 3.4028234663852886e38)
-    return bad
-
-
-def count_nonfinite(const float[::1] grad, const float[::1] residual, int num_threads):
-    """Count elements whose float32 grad + residual is NaN or +-Inf (read-only pre-check)."""
-    cdef Py_ssize_t n = grad.shape[0]
-    cdef Py_ssize_t n_chunks = _ceil_div(n, CHECK_CHUNK)
-    cdef Py_ssize_t c, bad = 0
-    if residual.shape[0] != n:
-        raise ValueError("residual has %d elements, grad %d" % (residual.shape[0], n))
-    if n == 0:
-        return 0
-    cdef const float* g = &grad[0]
-    cdef const float* r = &residual[0]
-    with nogil:
-        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
-            bad += _count_bad(g, r, c * CHECK_CHUNK, min((c + 1) * CHECK_CHUNK, n))
     return bad
 
 
@@ -163,86 +159,6 @@ cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* p
     return s
 
 
-def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, float threshold, int num_threads):
-    """2bit: levels {-t, 0, +t} -> q in {0, 1, 2}; fills lanes[:ceil(n/k)], updates residual."""
-    cdef Py_ssize_t n = grad.shape[0], k = powers.shape[0]
-    cdef Py_ssize_t n_lanes = _check_shapes(n, residual.shape[0], lanes.shape[0], k)
-    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c
-    if n == 0:
-        return
-    cdef const float* g = &grad[0]
-    cdef float* r = &residual[0]
-    cdef double* out = &lanes[0]
-    cdef const uint64_t* pw = &powers[0]
-    with nogil:
-        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
-            _enc_2bit(g, r, out, pw, threshold, c * CHUNK_LANES,
-                      min((c + 1) * CHUNK_LANES, n_lanes), n, k)
-
-
-def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, float scale, double[::1] partials,
-                int num_threads):
-    """1bit: q = (c >= 0), value scale * (2q - 1); returns sum |c| (chunk partials in order)."""
-    cdef Py_ssize_t n = grad.shape[0], k = powers.shape[0]
-    cdef Py_ssize_t n_lanes = _check_shapes(n, residual.shape[0], lanes.shape[0], k)
-    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c
-    cdef double total = 0.0
-    if partials.shape[0] < n_chunks:
-        raise ValueError("partials needs %d elements" % n_chunks)
-    if n == 0:
-        return total
-    cdef const float* g = &grad[0]
-    cdef float* r = &residual[0]
-    cdef double* out = &lanes[0]
-    cdef const uint64_t* pw = &powers[0]
-    cdef double* part = &partials[0]
-    with nogil:
-        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
-            part[c] = _enc_1bit(g, r, out, pw, scale, c * CHUNK_LANES,
-                                min((c + 1) * CHUNK_LANES, n_lanes), n, k)
-        for c in range(n_chunks):
-            total += part[c]
-    return total
-
-
-def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, const float[::1] own, const float[::1] thresholds,
-                const int[::1] units, int offset, double[::1] partials, int num_threads):
-    """4bit: q = offset +- units[#thresholds <= |c|]; returns sum |g| (chunk partials in order).
-
-    units[0] = 0, units[1:] are the thresholds in base units; own has 2*offset+1 values.
-    """
-    cdef Py_ssize_t n = grad.shape[0], k = powers.shape[0]
-    cdef Py_ssize_t n_lanes = _check_shapes(n, residual.shape[0], lanes.shape[0], k)
-    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c
-    cdef double total = 0.0
-    if partials.shape[0] < n_chunks:
-        raise ValueError("partials needs %d elements" % n_chunks)
-    if thresholds.shape[0] != 7 or units.shape[0] != 8 or own.shape[0] != 2 * offset + 1:
-        raise ValueError("encode_4bit needs 7 thresholds, 8 units and 2*offset+1 values")
-    if units[0] != 0 or units[7] > offset:
-        raise ValueError("encode_4bit: units must start at 0 and stay <= offset")
-    if n == 0:
-        return total
-    cdef const float* g = &grad[0]
-    cdef float* r = &residual[0]
-    cdef double* out = &lanes[0]
-    cdef const uint64_t* pw = &powers[0]
-    cdef const float* ow = &own[0]
-    cdef const float* th = &thresholds[0]
-    cdef const int* un = &units[0]
-    cdef double* part = &partials[0]
-    with nogil:
-        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
-            part[c] = _enc_4bit(g, r, out, pw, ow, th, un, offset, c * CHUNK_LANES,
-                                min((c + 1) * CHUNK_LANES, n_lanes), n, k)
-        for c in range(n_chunks):
-            total += part[c]
-    return total
-
-
 cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
                     Py_ssize_t hi) noexcept nogil:
     cdef Py_ssize_t j
@@ -251,18 +167,165 @@ cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
         r[j] = 0.0
 
 
+# ---------------------------------------------------------------- encode driver
+# One parallel region per call: a read-only pass checks float32(g + r) for NaN/Inf in
+# chunks of CHECK_CHUNK elements; only when every chunk is clean (all threads see the
+# same flags after the implicit barrier) does the encoding pass write anything.
+
+cdef enum:
+    MODE_NONE = 0
+    MODE_1BIT = 1
+    MODE_2BIT = 2
+    MODE_4BIT = 3
+
+
+cdef struct Job:
+    int mode
+    const float* g
+    float* r
+    void* out
+    const uint64_t* pw
+    const float* own
+    const float* th
+    const int* units
+    int offset
+    float param
+    Py_ssize_t n
+    Py_ssize_t k
+    Py_ssize_t n_lanes
+    Py_ssize_t chunk
+
+
+cdef double _encode_chunk(const Job* job, Py_ssize_t c) noexcept nogil:
+    """Encode lanes [c*chunk, (c+1)*chunk); returns the chunk's trailer partial sum."""
+    cdef Py_ssize_t lo = c * job.chunk
+    cdef Py_ssize_t hi = min(lo + job.chunk, job.n_lanes)
+    if job.mode == MODE_2BIT:
+        _enc_2bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n, job.k)
+        return 0.0
+    if job.mode == MODE_1BIT:
+        return _enc_1bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n,
+                         job.k)
+    if job.mode == MODE_4BIT:
+        return _enc_4bit(job.g, job.r, <double*>job.out, job.pw, job.own, job.th, job.units,
+                         job.offset, lo, hi, job.n, job.k)
+    _copy_sum(job.g, job.r, <float*>job.out, lo, hi)
+    return 0.0
+
+
+cdef inline bint _all_zero(const Py_ssize_t* flags, Py_ssize_t count) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(count):
+        if flags[i]:
+            return False
+    return True
+
+
+cdef tuple _run(Job* job, int num_threads):
+    """Check, then encode; returns (non-finite count, trailer sum). Nothing is written
+    to the residual or the lanes when the count is not 0."""
+    cdef Py_ssize_t n_check = _ceil_div(job.n, CHECK_CHUNK)
+    cdef Py_ssize_t n_chunks = _ceil_div(job.n_lanes, job.chunk)
+    cdef Py_ssize_t c1, c2, bad = 0
+    cdef double total = 0.0
+    cdef bint clean = False
+    cdef int team = _team(num_threads, max(n_check, n_chunks))
+    if job.n == 0:
+        return 0, 0.0
+    cdef Py_ssize_t* flags = <Py_ssize_t*>calloc(n_check, sizeof(Py_ssize_t))
+    cdef double* part = <double*>calloc(n_chunks, sizeof(double))
+    if flags == NULL or part == NULL:
+        free(flags)
+        free(part)
+        raise MemoryError()
+    with nogil, parallel(num_threads=team):
+        for c1 in prange(n_check, schedule="dynamic"):
+            flags[c1] = _count_bad(job.g, job.r, c1 * CHECK_CHUNK,
+                                   min((c1 + 1) * CHECK_CHUNK, job.n))
+        slimgc_barrier()   # every flag is written before anyone reads them
+        clean = _all_zero(flags, n_check)
+        if clean:
+            for c2 in prange(n_chunks, schedule="dynamic"):
+                part[c2] = _encode_chunk(job, c2)
+    for c1 in range(n_check):
+        bad += flags[c1]
+    if bad == 0:
+        for c2 in range(n_chunks):
+            total += part[c2]
+    free(flags)
+    free(part)
+    return bad, total
+
+
+cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
+              Py_ssize_t n_out, const uint64_t[::1] powers) except *:
+    cdef Job job
+    cdef Py_ssize_t k = powers.shape[0]
+    job.mode = mode
+    job.n = grad.shape[0]
+    job.k = k
+    job.n_lanes = _check_shapes(job.n, residual.shape[0], n_out, k)
+    job.chunk = CHECK_CHUNK if mode == MODE_NONE else CHUNK_LANES
+    job.g = &grad[0] if job.n else NULL
+    job.r = &residual[0] if job.n else NULL
+    job.out = out
+    job.pw = &powers[0]
+    job.own = NULL
+    job.th = NULL
+    job.units = NULL
+    job.offset = 0
+    job.param = 0.0
+    return job
+
+
+def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
+                const uint64_t[::1] powers, float threshold, int num_threads):
+    """2bit: levels {-t, 0, +t} -> q in {0, 1, 2}; fills lanes[:ceil(n/k)], updates residual.
+
+    Returns (number of non-finite grad + residual, 0.0); nothing is written when it is not 0.
+    """
+    cdef Job job = _job(MODE_2BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
+                        lanes.shape[0], powers)
+    job.param = threshold
+    return _run(&job, num_threads)
+
+
+def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
+                const uint64_t[::1] powers, float scale, int num_threads):
+    """1bit: q = (c >= 0), value scale * (2q - 1); returns (non-finite count, sum |c|)."""
+    cdef Job job = _job(MODE_1BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
+                        lanes.shape[0], powers)
+    job.param = scale
+    return _run(&job, num_threads)
+
+
+def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
+                const uint64_t[::1] powers, const float[::1] own, const float[::1] thresholds,
+                const int[::1] units, int offset, int num_threads):
+    """4bit: q = offset +- units[#thresholds <= |c|]; returns (non-finite count, sum |g|).
+
+    units[0] = 0, units[1:] are the thresholds in base units; own has 2*offset+1 values.
+    """
+    if thresholds.shape[0] != 7 or units.shape[0] != 8 or own.shape[0] != 2 * offset + 1:
+        raise ValueError("encode_4bit needs 7 thresholds, 8 units and 2*offset+1 values")
+    if units[0] != 0 or min(units) < 0 or max(units) > offset:
+        raise ValueError("encode_4bit: units must start at 0 and stay in 0..offset")
+    cdef Job job = _job(MODE_4BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
+                        lanes.shape[0], powers)
+    job.own = &own[0]
+    job.th = &thresholds[0]
+    job.units = &units[0]
+    job.offset = offset
+    return _run(&job, num_threads)
+
+
 def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, int num_threads):
-    """Passthrough: lanes = grad + residual (float32), residual = 0."""
-    cdef Py_ssize_t n = _check_shapes(grad.shape[0], residual.shape[0], lanes.shape[0], 1)
-    cdef Py_ssize_t n_chunks = _ceil_div(n, CHECK_CHUNK), c
-    if n == 0:
-        return
-    cdef const float* g = &grad[0]
-    cdef float* r = &residual[0]
-    cdef float* out = &lanes[0]
-    with nogil:
-        for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
-            _copy_sum(g, r, out, c * CHECK_CHUNK, min((c + 1) * CHECK_CHUNK, n))
+    """Passthrough: lanes = grad + residual (float32), residual = 0; returns (non-finite, 0)."""
+    cdef uint64_t one[1]
+    one[0] = 1
+    cdef Job job = _job(MODE_NONE, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
+                        lanes.shape[0], <uint64_t[:1]>one)
+    return _run(&job, num_threads)
 
 
 # ---------------------------------------------------------------- decoder

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slimgc_mx import _threads, codecs
-from slimgc_mx.codecs import base, fourbit
+from slimgc_mx.codecs import fourbit
 
 LANE_CODECS = ["1bit", "2bit", "4bit"]
 ALL_CODECS = ["none"] + LANE_CODECS
@@ -36,7 +36,7 @@ def make_pair(name, n_threads=1, threshold=None):
             codecs.create(name, threshold=threshold, reference=True))
 
 
-def run_step(cy, ref, grads, residuals, n_workers, rng):
+def run_step(cy, ref, grads, residuals, n_workers):
     """All workers encode with both implementations (bitwise compared); returns the lanes."""
     lanes = []
     for g, r in zip(grads, residuals):
@@ -72,7 +72,7 @@ def test_kernels_equal_reference_and_sums_are_exact(name, n_workers, size, seed,
         if name != "none":
             levels = sum(ref._levels(c) for c in before)   # digit sums D, from the levels
         scale_state = ref.state_dict()
-        lanes = run_step(cy, ref, grads, residuals, n_workers, rng)
+        lanes = run_step(cy, ref, grads, residuals, n_workers)
         total = sum_in_order(lanes, rng.permutation(n_workers))
         if name != "none":
             # Any summation order gives the very same digit lanes: no carry, no rounding.
@@ -385,20 +385,22 @@ def read_only_zeros(n):
 @pytest.mark.parametrize("poison", ["nan", "inf", "-inf", "overflow", "residual"])
 def test_non_finite_leaves_residual_and_out_untouched(name, reference, poison):
     rng = np.random.default_rng(4)
-    n = 70_001   # more than one pre-check chunk
-    c = codecs.create(name, num_threads=2, reference=reference)
+    n = 5 * 65536 + 3   # several pre-check chunks
     g, r = gradient(rng, n, -3, 0), gradient(rng, n, -3, -1)
-    i = int(rng.integers(n))
-    if poison == "overflow":
-        g[i], r[i] = 3e38, 3e38
-    elif poison == "residual":
-        r[i] = np.nan
-    else:
-        g[i] = float(poison)
-    r_before = r.copy()
-    out = np.full(c.lane_count(n, 2), 7, c.wire_dtype)
-    with pytest.raises(codecs.NonFiniteGradientError, match=str(i)):
-        c.encode(g, r, 2, out=out)
+    for n_threads in (1, 2, 7):
+        c = codecs.create(name, num_threads=n_threads, reference=reference)
+        for i in (0, n - 1, int(rng.integers(n))):   # first, last, any chunk
+            g2, r2 = g.copy(), r.copy()
+            if poison == "overflow":
+                g2[i], r2[i] = 3e38, 3e38
+            elif poison == "residual":
+                r2[i] = np.nan
+            else:
+                g2[i] = float(poison)
+            r_before = r2.copy()
+            out = np.full(c.lane_count(n, 2), 7, c.wire_dtype)
+            with pytest.raises(codecs.NonFiniteGradientError, match="%d\\b" % i):
+                c.encode(g2, r2, 2, out=out)
+            assert_same(r2, r_before)
+            np.testing.assert_array_equal(out, 7)
     assert issubclass(codecs.NonFiniteGradientError, ValueError)
-    assert_same(r, r_before)
-    np.testing.assert_array_equal(out, 7)

@@ -126,11 +126,6 @@ def chunk_sum(values, k):
     return total
 
 
-def partials_buffer(n_lanes):
-    """Scratch for the kernels' per-chunk partial sums (one float64 per chunk of lanes)."""
-    return np.empty(max(1, -(-n_lanes // CHUNK_LANES)), dtype=np.float64)
-
-
 class Codec:
     """Gradient codec with error feedback; one instance is the per-key state all workers share.
 
@@ -255,7 +250,7 @@ class Codec:
 
         grad, residual: 1-D C-contiguous float32 of equal length. Raises
         NonFiniteGradientError, before touching residual or out, when grad + residual
-        holds NaN or Inf.
+        holds NaN or Inf (a read-only pass checks everything before anything is written).
         """
         n_workers = check_num_workers(num_workers)
         radix, k = self.geometry(n_workers)
@@ -271,7 +266,6 @@ class Codec:
         else:
             check_vector("out", out, self.wire_dtype, writeable=True, length=n_lanes)
         _check_disjoint(grad=grad, residual=residual, out=out)
-        self._check_finite(grad, residual)
         stat = self._encode_into(grad, residual, out, radix, k)
         if self.trailer_lanes:
             out[-1] = stat / size if size else 0.0
@@ -309,12 +303,20 @@ class Codec:
 
     # ------------------------------------------------------------ kernels (Cython)
     def _encode_into(self, grad, residual, out, radix, k):
-        """Fill out[:ceil(n/k)], update residual; return the trailer sum (or None)."""
+        """Fill out[:ceil(n/k)], update residual; return the trailer sum (or None).
+
+        Raises NonFiniteGradientError, having written nothing, when grad + residual is
+        not finite.
+        """
         raise NotImplementedError
 
-    def _check_finite(self, grad, residual):
-        if kernels().count_nonfinite(grad, residual, self.num_threads):
+    @staticmethod
+    def _kernel_result(result, grad, residual):
+        """A kernel's (non-finite count, trailer sum) -> the trailer sum, or the error."""
+        bad, total = result
+        if bad:
             raise_nonfinite(grad, residual)
+        return total
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         m, rows = self._rows(num_workers, radix, k)

@@ -8,7 +8,7 @@ decode() picks the NEXT push's group from (trailer sum) / N. The first push uses
 """
 import numpy as np
 
-from .base import Codec, kernels, partials_buffer
+from .base import Codec, kernels
 
 #: Table 1 thresholds X1..X7 of each group, in units of 0.01.
 GROUPS = {
@@ -75,6 +75,8 @@ class FourBit(Codec):
 
     def _encode_into(self, grad, residual, out, radix, k):
         thresholds, units = _KERNEL_ARGS[self.group]
-        return kernels().encode_4bit(grad, residual, out, self._powers(radix, k),
-                                     self._own_values(), thresholds, units, MAX_UNITS,
-                                     partials_buffer(out.shape[0]), self.num_threads)
+        return self._kernel_result(
+            kernels().encode_4bit(grad, residual, out, self._powers(radix, k),
+                                  self._own_values(), thresholds, units, MAX_UNITS,
+                                  self.num_threads),
+            grad, residual)

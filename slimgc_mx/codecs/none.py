@@ -19,7 +19,8 @@ class NoneCodec(Codec):
         return 1.0, 1, 0
 
     def _encode_into(self, grad, residual, out, radix, k):
-        kernels().encode_none(grad, residual, out, self.num_threads)
+        self._kernel_result(kernels().encode_none(grad, residual, out, self.num_threads),
+                            grad, residual)
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         np.copyto(out, lanes_sum)

@@ -7,7 +7,7 @@ push has s = 0: it sends only the statistic and error feedback keeps the gradien
 """
 import numpy as np
 
-from .base import Codec, kernels, partials_buffer
+from .base import Codec, kernels
 
 
 class OneBit(Codec):
@@ -43,6 +43,7 @@ class OneBit(Codec):
         self.scale = scale
 
     def _encode_into(self, grad, residual, out, radix, k):
-        return kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
-                                     np.float32(self.scale), partials_buffer(out.shape[0]),
-                                     self.num_threads)
+        return self._kernel_result(
+            kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
+                                  np.float32(self.scale), self.num_threads),
+            grad, residual)

@@ -23,14 +23,11 @@ class ReferenceMixin:
         """float64 per-element statistic whose mean is the trailer lane, or None."""
         return None
 
-    def _check_finite(self, grad, residual):
-        with np.errstate(over="ignore", invalid="ignore"):
-            finite = np.isfinite(grad + residual).all()
-        if not finite:
-            raise_nonfinite(grad, residual)
-
     def _encode_into(self, grad, residual, out, radix, k):
-        c = grad + residual
+        with np.errstate(over="ignore", invalid="ignore"):
+            c = grad + residual
+        if not np.isfinite(c).all():
+            raise_nonfinite(grad, residual)
         q = self._levels(c)
         residual[...] = c - self._values(q, 1)
         n = q.shape[0]
@@ -57,7 +54,11 @@ class ReferenceMixin:
 
 class NoneReference(ReferenceMixin, NoneCodec):
     def _encode_into(self, grad, residual, out, radix, k):
-        out[...] = grad + residual
+        with np.errstate(over="ignore", invalid="ignore"):
+            c = grad + residual
+        if not np.isfinite(c).all():
+            raise_nonfinite(grad, residual)
+        out[...] = c
         residual[...] = 0
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):

@@ -16,5 +16,7 @@ class TwoBit(Codec):
         return float(np.float32(self._threshold)), 1, -1
 
     def _encode_into(self, grad, residual, out, radix, k):
-        kernels().encode_2bit(grad, residual, out, self._powers(radix, k),
-                              np.float32(self._threshold), self.num_threads)
+        return self._kernel_result(
+            kernels().encode_2bit(grad, residual, out, self._powers(radix, k),
+                                  np.float32(self._threshold), self.num_threads),
+            grad, residual)
