@@ -38,6 +38,7 @@ class ModelBackup:
         self._slots = {}
         self._cond = threading.Condition()
         self._error = None
+        self._error_where = None
 
     def add(self, key, weight):
         """Register `key` with initial global weights (copied to a CPU, default-layout glo_buf)."""
@@ -96,18 +97,19 @@ class ModelBackup:
                                      self.timeout)
             if self._error is not None:
                 from .pipeline import PipelineError
-                raise PipelineError("aggregation of key %r failed in a background thread"
-                                    % (key,)) from self._error
+                raise PipelineError("aggregation failed in a background thread (%s): %s"
+                                    % (self._error_where, self._error)) from self._error
             if not ok:
                 raise BackupTimeout(
                     "key %r: global weights of step %d did not arrive within %.0f s; a worker or "
                     "server may have died (set SLIMGC_TIMEOUT to wait longer)"
                     % (key, version, self.timeout))
 
-    def fail(self, exc):
-        """Wake every waiter: the aggregation failed with `exc`."""
+    def fail(self, exc, where):
+        """Wake every waiter: the aggregation of `where` failed with `exc`."""
         with self._cond:
             self._error = exc
+            self._error_where = where
             self._cond.notify_all()
 
     def flush(self):

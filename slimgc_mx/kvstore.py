@@ -8,6 +8,7 @@ weights bit for bit.
 """
 import atexit
 import logging
+import pickle
 import weakref
 
 import mxnet as mx
@@ -127,6 +128,9 @@ class SlimGC(KVStoreBase):
                         what="key #%d" % len(self._keys))
         codec = self._codec.clone() if self._codec is not None else None
         b = KeyBuffers(len(self._keys), value.shape, codec, self._transport.num_workers, Buffer)
+        if codec is not None and not self.config.offload:
+            from .device import DeviceCodec
+            b.device = DeviceCodec(codec)
         for buf in (b.grad_buf, b.bit_send):
             if buf is not None:
                 self._transport.declare(b.fp_key if buf is b.grad_buf else b.bit_key, buf)
@@ -184,7 +188,8 @@ class SlimGC(KVStoreBase):
             backup.local_step(key, step, grad, outs,
                               lambda g, w: self._local_update(b.index, g, w))
         opt = self._optimizer
-        self._submit(key, b, step, (opt.lr, opt.wd, opt.rescale_grad), local)
+        self._submit(key, b, step, grad, (opt.lr, opt.wd, opt.rescale_grad, opt.param_dict),
+                     local)
         self._steps[key] = step + 1
         if not backup.enabled and outs is not None:
             backup.write_back(key, step + 1, outs)
@@ -192,24 +197,36 @@ class SlimGC(KVStoreBase):
     def _allreduce(self, key, b, step, grads, outs):
         """No optimizer set: `outs` get the gradient summed over contexts and workers."""
         self._backup.wait_version(key, step)
-        _sum(grads).copyto(b.grad_buf.nd)
-        self._submit(key, b, step, None, False)
+        grad = _sum(grads)
+        grad.copyto(b.grad_buf.nd)
+        self._submit(key, b, step, grad, None, False)
         self._steps[key] = step + 1
         self._backup.wait_version(key, step + 1)
         for o in outs:
             b.agg.nd.copyto(o)
 
-    def _submit(self, key, b, step, opt_settings, local):
+    def _submit(self, key, b, step, grad, opt_settings, local):
         compressed = b.codec is not None and self._cttab.compressed(b.nbytes, step)
         serial = self._cttab.phase == "warmup"
-        self._pipeline.submit(Job(b, step, compressed, serial, (key, opt_settings, local)))
+        job = Job(b, step, compressed, serial, (key, opt_settings, local))
+        if compressed and b.device is not None:
+            # Offload off: encode with NDArray ops on the gradient's own context, in line.
+            try:
+                b.device.encode(grad, b.residual.nd, self.num_workers, out=b.bit_send.nd)
+            except codecs.NonFiniteGradientError:
+                b.bit_send.nd[:] = np.nan
+                job.nonfinite = True
+        self._pipeline.submit(job)
 
-    def _local_update(self, index, grad, weight):
+    def _local_update_ready(self):
         if self._local_updater is None:
             cfg = self.config
             self._local_updater = LocalUpdater(self._optimizer, self.num_workers,
                                                cfg.loc_lr, cfg.loc_optimizer)
-        self._local_updater(index, grad, weight)
+        return self._local_updater
+
+    def _local_update(self, index, grad, weight):
+        self._local_update_ready()(index, grad, weight)
 
     def _finish(self, job):
         """Aggregation thread: account, record timings, update glo_buf, publish."""
@@ -223,11 +240,11 @@ class SlimGC(KVStoreBase):
         if opt_settings is None:
             self._backup.publish(key, job.step, lambda glo: None, local)
             return
-        lr, wd, rescale = opt_settings
+        lr, wd, rescale, param_dict = opt_settings
 
         def update(glo):
             opt = self._glo_updater.optimizer
-            opt.lr, opt.wd, opt.rescale_grad = lr, wd, rescale
+            opt.lr, opt.wd, opt.rescale_grad, opt.param_dict = lr, wd, rescale, param_dict
             self._glo_updater(b.index, b.agg.nd, glo)
 
         self._backup.publish(key, job.step, update, local)
@@ -263,20 +280,73 @@ class SlimGC(KVStoreBase):
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        """Save the global optimizer state (after flushing the aggregations in flight)."""
+        """Save everything a resumed job needs (Trainer.save_states calls this).
+
+        Flushes first, so the parameters hold the global weights (save them too).
+        Saved: global and local optimizer states, per key the error-feedback
+        residual, codec state, glo_buf, step and flag, and the CTTab decision.
+        """
         self.flush()
+        keys = {}
+        for key, b in self._keys.items():
+            keys[key] = {"step": self._steps[key], "residual": b.residual.for_read().copy(),
+                         "codec": b.codec.state_dict() if b.codec is not None else None}
+        local = self._local_updater
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "settings": self.config.agreement_fields(),
+            "num_workers": self.num_workers,
+            "global": self._glo_updater.get_states(dump_optimizer),
+            "local": local._updater.get_states(True) if local is not None else None,
+            "keys": keys,
+            "backup": self._backup.state_dict(),
+            "cttab": self._cttab.state_dict(),
+            "bytes": dict(self._bytes),
+        }
         with open(fname, "wb") as f:
-            f.write(self._glo_updater.get_states(dump_optimizer))
+            pickle.dump(state, f)
 
     def load_optimizer_states(self, fname):
-        """Load the global optimizer state written by save_optimizer_states."""
+        """Restore a file written by save_optimizer_states (Trainer.load_states calls this)."""
         with open(fname, "rb") as f:
-            self._glo_updater.set_states(f.read())
+            state = pickle.load(f)
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("%s is not a slimgc checkpoint (format %r); it was not written by "
+                             "SlimGC.save_optimizer_states" % (fname, CHECKPOINT_FORMAT))
+        mine = self.config.agreement_fields()
+        for name, value in state["settings"].items():
+            if mine.get(name) != value:
+                raise ValueError("checkpoint %s was written with %s=%r but this job uses %r"
+                                 % (fname, name, value, mine.get(name)))
+        if state["num_workers"] != self.num_workers or set(state["keys"]) != set(self._keys):
+            raise ValueError("checkpoint %s holds %d workers and keys %s; this job has %d "
+                             "workers and keys %s" % (fname, state["num_workers"],
+                                                      sorted(state["keys"]), self.num_workers,
+                                                      sorted(self._keys)))
+        self._pipeline.wait_idle(self.config.timeout)
+        self._glo_updater.set_states(state["global"])
+        loaded = self._glo_updater.optimizer
+        if loaded is not self._optimizer:  # the file held the optimizer itself
+            self._optimizer = loaded
+            self._glo_updater.optimizer = clone_optimizer(loaded)
+        self._local_updater = None  # rebuilt around the (possibly new) global optimizer
+        if state["local"] is not None:
+            self._local_update_ready()._updater.set_states(state["local"])
+            self._local_updater.optimizer = self._local_updater._updater.optimizer
+        for key, ks in state["keys"].items():
+            b = self._keys[key]
+            self._steps[key] = ks["step"]
+            np.copyto(b.residual.for_write(), ks["residual"])
+            if b.codec is not None:
+                b.codec.load_state_dict(ks["codec"])
+        self._backup.load_state_dict(state["backup"])
+        self._cttab.load_state_dict(state["cttab"])
+        self._bytes.update(state["bytes"])
 
     @property
     def _updater(self):
-        """What gluon.Trainer.load_states reads back: an object with `.optimizer`."""
-        return self._glo_updater
+        """What gluon.Trainer.load_states reads back: `.optimizer` is the trainer-facing one."""
+        return _UpdaterView(self)
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self):
@@ -306,7 +376,19 @@ class SlimGC(KVStoreBase):
             self._transport.close()
 
 
+CHECKPOINT_FORMAT = "slimgc-checkpoint-1"
 _LIVE = weakref.WeakSet()
+
+
+class _UpdaterView:
+    """Stands in for MXNet's Updater where gluon.Trainer reads `kvstore._updater.optimizer`."""
+
+    def __init__(self, kv):
+        self._kv = kv
+
+    @property
+    def optimizer(self):
+        return self._kv._optimizer
 
 
 @atexit.register

@@ -9,6 +9,11 @@ key's transfer and a third key's decoding:
 
 Any exception in a stage is kept and raised in the training thread at its next
 wait, chained to the original traceback; later jobs are dropped.
+
+Non-finite gradients: a worker whose gradient holds NaN/Inf still takes part in
+the transfer (it sends NaN, so no other worker waits forever), and every worker
+finds the non-finite sum before decoding and fails that key without updating
+any weights.
 """
 import queue
 import threading
@@ -16,9 +21,15 @@ import time
 
 import numpy as np
 
+from .codecs import NonFiniteGradientError
+
 
 class PipelineError(RuntimeError):
     """A background stage failed; the original exception is chained as __cause__."""
+
+
+class NonFiniteAggregateError(NonFiniteGradientError):
+    """The sum over workers of a key's gradient holds NaN/Inf; no weight was updated."""
 
 
 class KeyBuffers:
@@ -29,6 +40,7 @@ class KeyBuffers:
     bit_recv  the lanes summed over workers
     agg       float32 sum over workers of the gradient (pulled, or decoded from bit_recv)
     residual  the codec's error-feedback memory
+    device    a DeviceCodec when encoding runs as NDArray ops (offload off), else None
     """
 
     def __init__(self, index, shape, codec, num_workers, make_buffer):
@@ -39,7 +51,8 @@ class KeyBuffers:
         self.codec = codec
         self.grad_buf = make_buffer(shape, np.float32)
         self.agg = make_buffer(shape, np.float32)
-        self.residual = np.zeros(size, dtype=np.float32)
+        self.residual = make_buffer((size,), np.float32)
+        self.device = None
         if codec is not None:
             lanes = max(1, codec.lane_count(size, num_workers))
             self.bit_send = make_buffer((lanes,), codec.wire_dtype)
@@ -65,7 +78,7 @@ class Job:
     """One key's aggregation for one step."""
 
     __slots__ = ("buffers", "step", "compressed", "serial", "context", "handle",
-                 "t_start", "t_comm", "t_proc", "error")
+                 "t_start", "t_comm", "t_proc", "nonfinite")
 
     def __init__(self, buffers, step, compressed, serial=False, context=None):
         self.buffers = buffers
@@ -76,6 +89,11 @@ class Job:
         self.handle = None
         self.t_start = self.t_comm = None
         self.t_proc = 0.0
+        self.nonfinite = False  # this worker's gradient held NaN/Inf: it sends NaN
+
+    @property
+    def key(self):
+        return self.context[0] if isinstance(self.context, tuple) else self.context
 
 
 class Pipeline:
@@ -132,7 +150,7 @@ class Pipeline:
                 try:
                     fn(job)
                 except BaseException as exc:  # kept for the training thread
-                    self._fail(exc)
+                    self._fail(exc, job)
             if self.error is not None:
                 self._done()
                 continue
@@ -146,20 +164,30 @@ class Pipeline:
             self._pending -= 1
             self._idle.notify_all()
 
-    def _fail(self, exc):
+    def _fail(self, exc, job):
         if self.error is None:
             self.error = exc
-            self._on_error(exc)
+            self._on_error(exc, "key %r, step %d" % (job.key, job.step))
         with self._idle:
             self._idle.notify_all()
 
     def _encode(self, job):
         b = job.buffers
-        grad = b.grad_buf.for_read()
-        if job.compressed:
-            lanes = b.bit_send.for_write()
+        if not job.compressed:
+            b.grad_buf.for_read()
+        elif b.device is not None:
             t0 = time.perf_counter()
-            b.codec.encode(grad, b.residual, self.transport.num_workers, out=lanes)
+            b.bit_send.for_read()  # encoded by NDArray ops queued on the training thread
+            job.t_proc += time.perf_counter() - t0
+        else:
+            grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
+                                     b.bit_send.for_write())
+            t0 = time.perf_counter()
+            try:
+                b.codec.encode(grad, residual, self.transport.num_workers, out=lanes)
+            except NonFiniteGradientError:
+                lanes.fill(np.nan)
+                job.nonfinite = True
             job.t_proc += time.perf_counter() - t0
 
     def _communicate(self, job):
@@ -179,9 +207,21 @@ class Pipeline:
         job.handle.wait()
         if job.t_comm is None:
             job.t_comm = job.handle.elapsed or time.perf_counter() - job.t_start
-        if job.compressed:
+        n = self.transport.num_workers
+        received = b.bit_recv if job.compressed else b.agg
+        if not np.isfinite(received.for_read()).all():
+            raise NonFiniteAggregateError(
+                "key %r, step %d: the gradient summed over workers holds NaN/Inf (this worker's "
+                "own gradient %s); no weights were updated. Lower the learning rate or clip "
+                "gradients." % (job.key, job.step, "did" if job.nonfinite else "was finite"))
+        if job.compressed and b.device is not None:
+            t0 = time.perf_counter()
+            b.device.decode(b.bit_recv.nd, b.size, n, out=b.agg.nd)
+            b.agg.for_read()
+            job.t_proc += time.perf_counter() - t0
+        elif job.compressed:
             lanes, agg = b.bit_recv.for_read(), b.agg.for_write()
             t0 = time.perf_counter()
-            b.codec.decode(lanes, b.size, self.transport.num_workers, out=agg)
+            b.codec.decode(lanes, b.size, n, out=agg)
             job.t_proc += time.perf_counter() - t0
         self._finish(job)

@@ -20,11 +20,18 @@ from slimgc_mx.threshold import NEVER
 from slimgc_mx.transport import LocalTransport, ThreadGroup
 
 
+_INIT_LOCK = threading.Lock()
+
+
 def _net(seed=0):
-    mx.random.seed(seed)
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(4))
-    net.initialize(mx.init.Xavier())
+    """A small MLP with seeded weights (the lock keeps worker threads from sharing the RNG)."""
+    with _INIT_LOCK:
+        mx.random.seed(seed)
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(4))
+        net.initialize(mx.init.Xavier())
+        net(mx.nd.zeros((1, 12)))
+        mx.nd.waitall()
     return net
 
 
@@ -108,15 +115,20 @@ def test_none_codec_single_worker_matches_plain_trainer(backup):
 
 
 # ---------------------------------------------------------------- aggregation
-@pytest.mark.parametrize("name", ["none", "1bit", "2bit", "4bit"])
-def test_allreduce_over_threads_equals_the_codec_reference(name):
-    """Without an optimizer pushpull returns the summed (decoded) gradient, exactly."""
+@pytest.mark.parametrize("name, offload", [("none", True), ("1bit", True), ("2bit", True),
+                                           ("4bit", True), ("2bit", False), ("4bit", False)])
+def test_allreduce_over_threads_equals_the_codec_reference(name, offload):
+    """Without an optimizer pushpull returns the summed (decoded) gradient, exactly.
+
+    offload=False encodes with NDArray ops on the gradient's context instead.
+    """
     n, size, steps = 3, 5000, 3
     rng = np.random.RandomState(7)
     grads = rng.randn(steps, n, size).astype(np.float32)
 
     def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor=name, comm_threshold="off", backup=False)
+        kv = SlimGC(transport=transport, compressor=name, comm_threshold="off", backup=False,
+                    offload=offload)
         kv.init(0, mx.nd.zeros(size))
         outs = []
         for s in range(steps):
@@ -318,3 +330,104 @@ def test_stuck_transfer_times_out_in_the_training_thread():
     with pytest.raises(BackupTimeout, match="did not arrive within"):
         kv.pushpull(0, mx.nd.ones(10), out=w)
     assert time.time() - start < 5
+
+
+@pytest.mark.parametrize("comm_threshold", ["off", 1 << 40])  # compressed route, fp route
+def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
+    from slimgc_mx.pipeline import NonFiniteAggregateError
+
+    size = 50
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold=comm_threshold,
+                    backup=False, timeout=30)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+        w = mx.nd.ones(size)
+        kv.broadcast(0, w, out=w)
+        kv.pushpull(0, mx.nd.ones(size), out=w)
+        before = kv._backup.glo_buf(0).asnumpy().copy()
+        grad = np.ones(size, np.float32)
+        if rank == 1:
+            grad[7] = np.nan
+        with pytest.raises(PipelineError) as info:
+            kv.pushpull(0, mx.nd.array(grad), out=w)
+        after = kv._backup.glo_buf(0).asnumpy()
+        kv.close()
+        return info.value, before, after
+
+    for err, before, after in _in_threads(2, worker):
+        assert isinstance(err.__cause__, NonFiniteAggregateError)
+        assert "key 0, step 1" in str(err)
+        np.testing.assert_array_equal(before, after)
+        assert np.isfinite(after).all()
+
+
+def test_checkpoint_resume_is_bitwise_identical(tmp_path):
+    """2 workers, 2bit, backup on: stop after k steps, resume in new objects, same weights."""
+    batches = _batches(16, seed=3)
+    k = 8
+
+    def make(transport):
+        net = _net()
+        net(batches[0][0])
+        kv = SlimGC(transport=transport, compressor="2bit", threshold=0.05, backup=True,
+                    comm_threshold="off")
+        trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+        return net, kv, trainer
+
+    def uninterrupted(rank, transport):
+        net, kv, trainer = make(transport)
+        _train(trainer, net, batches[rank::2][:k // 2] * 2)
+        trainer.save_states(str(tmp_path / ("full%d.states" % rank)))
+        _train(trainer, net, batches[rank::2][k // 2:] * 2)
+        slimgc_mx.flush(trainer)
+        kv.close()
+        return _weights(net)
+
+    def first_half(rank, transport):
+        net, kv, trainer = make(transport)
+        _train(trainer, net, batches[rank::2][:k // 2] * 2)
+        trainer.save_states(str(tmp_path / ("half%d.states" % rank)))
+        net.save_parameters(str(tmp_path / ("half%d.params" % rank)))
+        kv.close()
+
+    def second_half(rank, transport):
+        net, kv, trainer = make(transport)
+        net.load_parameters(str(tmp_path / ("half%d.params" % rank)))
+        trainer.load_states(str(tmp_path / ("half%d.states" % rank)))
+        _train(trainer, net, batches[rank::2][k // 2:] * 2)
+        slimgc_mx.flush(trainer)
+        kv.close()
+        return _weights(net)
+
+    full = _in_threads(2, uninterrupted)
+    _in_threads(2, first_half)
+    resumed = _in_threads(2, second_half)
+    for rank in range(2):
+        for a, b in zip(full[rank], resumed[rank]):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(resumed[0], resumed[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_loading_a_foreign_or_mismatched_checkpoint_is_refused(tmp_path):
+    kv = SlimGC(compressor="2bit", backup=False)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    w = mx.nd.zeros(10)
+    kv.broadcast(0, w, out=w)
+    kv.pushpull(0, mx.nd.ones(10), out=w)
+    path = str(tmp_path / "ok.states")
+    kv.save_optimizer_states(path)
+    bad = tmp_path / "bad.states"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception, match="slimgc checkpoint|pickle|load"):
+        kv.load_optimizer_states(str(bad))
+    other = SlimGC(compressor="4bit", backup=False)
+    other.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    w2 = mx.nd.zeros(10)
+    other.broadcast(0, w2, out=w2)
+    with pytest.raises(ValueError, match="compressor='2bit' but this job uses '4bit'"):
+        other.load_optimizer_states(path)
+    kv.close()
+    other.close()
