@@ -12,7 +12,7 @@ from libc.stdlib cimport calloc, free
 from libc.math cimport fabs, fabsf
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
-from lane_consts cimport CHECK_CHUNK, CHUNK_LANES, GROUP, MAX_DIGITS, ROW
+from lane_consts cimport BLOCK, CHECK_CHUNK, CHUNK_LANES, GROUP, MAX_DIGITS, ROW
 
 cdef extern from *:
     """
@@ -63,7 +63,8 @@ cdef Py_ssize_t _check_shapes(Py_ssize_t n, Py_ssize_t n_residual, Py_ssize_t n_
     return _ceil_div(n, k)
 
 
-# Per lane i (elements i*k .. i*k+k-1): c = g + r; q = level(c); r = c - own[q];
+# Per lane i (elements i*k .. i*k+k-1): c = g + r; q = level(c); r = c - own[q], where
+# own[q] is the one-worker decoded value of level q;
 # lane = sum_j q_j * R**j, built in uint64 (exact below 2**53), stored as float64.
 
 cdef inline uint64_t _pack(const int* q, const uint64_t* pw, Py_ssize_t cnt) noexcept nogil:
@@ -88,16 +89,29 @@ cdef inline void _levels_2bit(const float* g, float* r, int* q, Py_ssize_t cnt,
         r[j] = c - t * <float>d
 
 
+cdef inline void _pack_block(const int* q, const uint64_t* pw, double* lanes,
+                                   Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t n,
+                                   Py_ssize_t k) noexcept nogil:
+    # Lanes i0..i1-1 from the levels q of their elements (q[0] is element i0*k).
+    cdef Py_ssize_t i
+    for i in range(i0, i1):
+        lanes[i] = <double><int64_t>_pack(q + (i - i0) * k, pw, min(k, n - i * k))
+
+
 cdef void _enc_2bit(const float* g, float* r, double* lanes, const uint64_t* pw,
                     float t, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
                     Py_ssize_t k) noexcept nogil:
-    cdef Py_ssize_t i, start, cnt
-    cdef int q[MAX_DIGITS]
-    for i in range(lo, hi):
-        start = i * k
-        cnt = min(k, n - start)
+    # Blocks of BLOCK lanes: one long level loop over their elements, then the packing.
+    cdef Py_ssize_t i0, i1, start, cnt
+    cdef int q[BLOCK * MAX_DIGITS]
+    i0 = lo
+    while i0 < hi:
+        i1 = min(i0 + BLOCK, hi)
+        start = i0 * k
+        cnt = min(i1 * k, n) - start
         _levels_2bit(g + start, r + start, q, cnt, t)
-        lanes[i] = <double><int64_t>_pack(q, pw, cnt)
+        _pack_block(q, pw, lanes, i0, i1, n, k)
+        i0 = i1
 
 
 cdef inline void _levels_1bit(const float* g, float* r, int* q, float* comp,
@@ -119,44 +133,75 @@ cdef double _enc_1bit(const float* g, float* r, double* lanes, const uint64_t* p
                       Py_ssize_t k) noexcept nogil:
     # Returns sum |c| over the chunk, added in element order (a loop of its own, so the
     # level loop still vectorizes).
-    cdef Py_ssize_t i, j, start, cnt
-    cdef int q[MAX_DIGITS]
-    cdef float comp[MAX_DIGITS]
+    cdef Py_ssize_t i0, i1, j, start, cnt
+    cdef int q[BLOCK * MAX_DIGITS]
+    cdef float comp[BLOCK * MAX_DIGITS]
     cdef double total = 0.0
-    for i in range(lo, hi):
-        start = i * k
-        cnt = min(k, n - start)
+    i0 = lo
+    while i0 < hi:
+        i1 = min(i0 + BLOCK, hi)
+        start = i0 * k
+        cnt = min(i1 * k, n) - start
         _levels_1bit(g + start, r + start, q, comp, cnt, s)
-        lanes[i] = <double><int64_t>_pack(q, pw, cnt)
+        _pack_block(q, pw, lanes, i0, i1, n, k)
         for j in range(cnt):
             total += fabs(<double>comp[j])
+        i0 = i1
     return total
 
 
+cdef inline void _levels_4bit(const float* g, float* r, int* q, Py_ssize_t cnt,
+                              const float* th, const int* units, int offset) noexcept nogil:
+    # Largest threshold <= |c| by seven selects (branch-free, vectorizes). The value sent
+    # is +-th[k] = +-float32(0.01 * units[k+1]): own[q] bit for bit.
+    cdef float t0 = th[0], t1 = th[1], t2 = th[2], t3 = th[3], t4 = th[4], t5 = th[5]
+    cdef float t6 = th[6]
+    cdef int u1 = units[1], u2 = units[2], u3 = units[3], u4 = units[4], u5 = units[5]
+    cdef int u6 = units[6], u7 = units[7]
+    cdef Py_ssize_t j
+    cdef float c, a, x
+    cdef int u
+    for j in range(cnt):
+        c = g[j] + r[j]
+        a = fabsf(c)
+        x = 0.0
+        u = 0
+        x = t0 if a >= t0 else x
+        u = u1 if a >= t0 else u
+        x = t1 if a >= t1 else x
+        u = u2 if a >= t1 else u
+        x = t2 if a >= t2 else x
+        u = u3 if a >= t2 else u
+        x = t3 if a >= t3 else x
+        u = u4 if a >= t3 else u
+        x = t4 if a >= t4 else x
+        u = u5 if a >= t4 else u
+        x = t5 if a >= t5 else x
+        u = u6 if a >= t5 else u
+        x = t6 if a >= t6 else x
+        u = u7 if a >= t6 else u
+        q[j] = offset - u if c < 0 else offset + u
+        r[j] = c - (-x if c < 0 else x)
+
+
 cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* pw,
-                      const float* own, const float* th, const int* units, int offset,
-                      Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k) noexcept nogil:
-    cdef Py_ssize_t i, j, start, stop
-    cdef uint64_t acc
-    cdef float c, a
-    cdef int idx, u, q
-    cdef double s = 0.0
-    for i in range(lo, hi):
-        start = i * k
-        stop = min(start + k, n)
-        acc = 0
-        for j in range(start, stop):
-            c = g[j] + r[j]
-            a = fabsf(c)
-            idx = ((a >= th[0]) + (a >= th[1]) + (a >= th[2]) + (a >= th[3])
-                   + (a >= th[4]) + (a >= th[5]) + (a >= th[6]))
-            u = units[idx]
-            q = offset - u if c < 0 else offset + u
-            r[j] = c - own[q]
-            acc += <uint64_t>q * pw[j - start]
-            s += fabs(<double>g[j])
-        lanes[i] = <double><int64_t>acc
-    return s
+                      const float* th, const int* units, int offset, Py_ssize_t lo,
+                      Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k) noexcept nogil:
+    # Returns sum |g| over the chunk, added in element order.
+    cdef Py_ssize_t i0, i1, j, start, cnt
+    cdef int q[BLOCK * MAX_DIGITS]
+    cdef double total = 0.0
+    i0 = lo
+    while i0 < hi:
+        i1 = min(i0 + BLOCK, hi)
+        start = i0 * k
+        cnt = min(i1 * k, n) - start
+        _levels_4bit(g + start, r + start, q, cnt, th, units, offset)
+        _pack_block(q, pw, lanes, i0, i1, n, k)
+        for j in range(start, start + cnt):
+            total += fabs(<double>g[j])
+        i0 = i1
+    return total
 
 
 cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
@@ -170,7 +215,7 @@ cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
 # ---------------------------------------------------------------- encode driver
 # One parallel region per call: a read-only pass checks float32(g + r) for NaN/Inf in
 # chunks of CHECK_CHUNK elements; only when every chunk is clean (all threads see the
-# same flags after the implicit barrier) does the encoding pass write anything.
+# same flags after the barrier) does the encoding pass write anything.
 
 cdef enum:
     MODE_NONE = 0
@@ -185,7 +230,6 @@ cdef struct Job:
     float* r
     void* out
     const uint64_t* pw
-    const float* own
     const float* th
     const int* units
     int offset
@@ -207,7 +251,7 @@ cdef double _encode_chunk(const Job* job, Py_ssize_t c) noexcept nogil:
         return _enc_1bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n,
                          job.k)
     if job.mode == MODE_4BIT:
-        return _enc_4bit(job.g, job.r, <double*>job.out, job.pw, job.own, job.th, job.units,
+        return _enc_4bit(job.g, job.r, <double*>job.out, job.pw, job.th, job.units,
                          job.offset, lo, hi, job.n, job.k)
     _copy_sum(job.g, job.r, <float*>job.out, lo, hi)
     return 0.0
@@ -270,7 +314,6 @@ cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
     job.r = &residual[0] if job.n else NULL
     job.out = out
     job.pw = &powers[0]
-    job.own = NULL
     job.th = NULL
     job.units = NULL
     job.offset = 0
@@ -300,19 +343,19 @@ def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
 
 
 def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, const float[::1] own, const float[::1] thresholds,
+                const uint64_t[::1] powers, const float[::1] thresholds,
                 const int[::1] units, int offset, int num_threads):
     """4bit: q = offset +- units[#thresholds <= |c|]; returns (non-finite count, sum |g|).
 
-    units[0] = 0, units[1:] are the thresholds in base units; own has 2*offset+1 values.
+    thresholds ascending, thresholds[k] = float32(unit * units[k+1]) (the decoded
+    values); units[0] = 0. Levels q lie in 0..2*offset.
     """
-    if thresholds.shape[0] != 7 or units.shape[0] != 8 or own.shape[0] != 2 * offset + 1:
-        raise ValueError("encode_4bit needs 7 thresholds, 8 units and 2*offset+1 values")
+    if thresholds.shape[0] != 7 or units.shape[0] != 8:
+        raise ValueError("encode_4bit needs 7 thresholds and 8 units")
     if units[0] != 0 or min(units) < 0 or max(units) > offset:
         raise ValueError("encode_4bit: units must start at 0 and stay in 0..offset")
     cdef Job job = _job(MODE_4BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
                         lanes.shape[0], powers)
-    job.own = &own[0]
     job.th = &thresholds[0]
     job.units = &units[0]
     job.offset = offset

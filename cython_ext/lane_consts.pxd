@@ -12,3 +12,5 @@ cdef enum:
     ROW = 8
     # Most digits a lane can hold (radix >= 2, 2**53): size of the encoders' level buffer.
     MAX_DIGITS = 53
+    # Lanes an encoder quantizes in one level loop (its level buffer: BLOCK * MAX_DIGITS).
+    BLOCK = 64

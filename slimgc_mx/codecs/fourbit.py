@@ -76,7 +76,6 @@ class FourBit(Codec):
     def _encode_into(self, grad, residual, out, radix, k):
         thresholds, units = _KERNEL_ARGS[self.group]
         return self._kernel_result(
-            kernels().encode_4bit(grad, residual, out, self._powers(radix, k),
-                                  self._own_values(), thresholds, units, MAX_UNITS,
-                                  self.num_threads),
+            kernels().encode_4bit(grad, residual, out, self._powers(radix, k), thresholds,
+                                  units, MAX_UNITS, self.num_threads),
             grad, residual)
