@@ -5,6 +5,7 @@ k levels per float64 lane in radix R = N*(L-1)+1 (R**k <= 2**53), so that the se
 float sum of N workers' lanes is exactly the packing of the level sums. Subclasses give
 the levels and the kernels; reference.py gives NumPy versions of the same kernels.
 """
+import functools
 import math
 import numbers
 
@@ -18,8 +19,8 @@ EXACT_LIMIT = 2 ** 53
 CHUNK_LANES = 1024
 #: Widest decoder table row (float32 values); must match the kernels' ROW.
 ROW = 8
-#: Most rows in a decoder table (ROW * 4 bytes each: 64 KiB).
-MAX_ROWS = 2048
+#: Most rows in a decoder table (ROW * 4 bytes each: 512 KiB, an L2 cache's worth).
+MAX_ROWS = 16384
 
 
 class NonFiniteGradientError(ValueError):
@@ -99,6 +100,23 @@ def check_vector(name, array, dtype, writeable=False, length=None):
     if length is not None and array.shape[0] != length:
         raise ValueError("%s must have %d elements, got %d" % (name, length, array.shape[0]))
     return array
+
+
+def affine_values(digit_sums, scale, a, b, num_workers):
+    """The decoded sum: float32(double(scale) * (a*D + N*b)) for integer digit sums D."""
+    d = np.asarray(digit_sums, dtype=np.int64)
+    return (scale * (a * d + num_workers * b).astype(np.float64)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_rows(radix, m, scale, a, b, num_workers):
+    s = np.arange(radix ** m, dtype=np.int64)
+    digits = (s[:, None] // (radix ** np.arange(m, dtype=np.int64))[None, :]) % radix
+    rows = np.zeros((radix ** m, ROW), dtype=np.float32)
+    rows[:, :m] = affine_values(digits, scale, a, b, num_workers)
+    rows = rows.ravel()
+    rows.setflags(write=False)
+    return rows
 
 
 def _check_disjoint(**arrays):
@@ -212,15 +230,15 @@ class Codec:
     def _values(self, digit_sums, num_workers):
         """float32(double(scale) * (a*D + N*b)) for integer digit sums D of N workers."""
         scale, a, b = self._affine()
-        d = np.asarray(digit_sums, dtype=np.int64)
-        return (float(scale) * (a * d + num_workers * b).astype(np.float64)).astype(np.float32)
+        return affine_values(digit_sums, float(scale), a, b, num_workers)
 
     def _own_values(self):
         """Decoded value of each level for one worker: the error-feedback subtrahend."""
-        key = ("own", self._affine())
-        if key not in self._cache:
-            self._cache[key] = self._values(np.arange(self.levels), 1)
-        return self._cache[key]
+        affine = self._affine()
+        cached = self._cache.get("own")
+        if cached is None or cached[0] != affine:   # the state moved (1bit scale)
+            cached = self._cache["own"] = (affine, self._values(np.arange(self.levels), 1))
+        return cached[1]
 
     def _powers(self, radix, k):
         key = ("powers", radix, k)
@@ -228,21 +246,17 @@ class Codec:
             self._cache[key] = np.array([radix ** j for j in range(k)], dtype=np.uint64)
         return self._cache[key]
 
-    def _rows(self, num_workers, radix, k):
-        """Decoder table: R**m rows of ROW float32, row s = values of the m digits of s."""
-        key = ("rows", num_workers, self._affine())
-        if key not in self._cache:
-            m = 1
-            while m < min(ROW, k) and radix ** (m + 1) <= MAX_ROWS:
-                m += 1
-            s = np.arange(radix ** m, dtype=np.int64)
-            digits = (s[:, None] // (radix ** np.arange(m, dtype=np.int64))[None, :]) % radix
-            rows = np.zeros((radix ** m, ROW), dtype=np.float32)
-            rows[:, :m] = self._values(digits, num_workers)
-            if len(self._cache) > 16:
-                self._cache.clear()
-            self._cache[key] = (m, rows.ravel())
-        return self._cache[key]
+    def _rows(self, num_workers, radix, k, size):
+        """Decoder table (m, rows): R**m rows of ROW float32, row s = values of the m
+        radix-R digits of s. Rows are capped by MAX_ROWS and, so that building the
+        table never outweighs decoding, by the size; tables are shared by all
+        instances with the same parameters."""
+        limit = min(MAX_ROWS, max(radix, size // 4))
+        m = 1
+        while m < min(ROW, k) and radix ** (m + 1) <= limit:
+            m += 1
+        scale, a, b = self._affine()
+        return m, _decode_rows(radix, m, float(scale), a, b, num_workers)
 
     # ------------------------------------------------------------ encode / decode
     def encode(self, grad, residual, num_workers, out=None):
@@ -319,7 +333,7 @@ class Codec:
         return total
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
-        m, rows = self._rows(num_workers, radix, k)
+        m, rows = self._rows(num_workers, radix, k, out.shape[0])
         kernels().decode_lanes(lanes_sum, out, rows, k, m, self.num_threads)
 
 
