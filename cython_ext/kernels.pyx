@@ -40,13 +40,11 @@ cdef inline int _team(int num_threads, Py_ssize_t n_chunks) noexcept nogil:
     return <int>max(1, min(<Py_ssize_t>num_threads, n_chunks))
 
 
-cdef Py_ssize_t _count_bad(const float* g, const float* r, Py_ssize_t lo,
-                           Py_ssize_t hi) noexcept nogil:
+cdef Py_ssize_t _count_bad(const float* x, Py_ssize_t count) noexcept nogil:
+    # NaN and +-Inf fail |x| <= FLT_MAX; an integer count, so the loop vectorizes.
     cdef Py_ssize_t j, bad = 0
-    cdef float c
-    for j in range(lo, hi):
-        c = g[j] + r[j]
-        bad += not (fabsf(c) <= 3.4028234663852886e38)
+    for j in range(count):
+        bad += not (fabsf(x[j]) <= 3.4028234663852886e38)
     return bad
 
 
@@ -100,8 +98,9 @@ cdef inline void _pack_block(const int* q, const uint64_t* pw, double* lanes,
 
 cdef void _enc_2bit(const float* g, float* r, double* lanes, const uint64_t* pw,
                     float t, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
-                    Py_ssize_t k) noexcept nogil:
+                    Py_ssize_t k, Py_ssize_t* bad) noexcept nogil:
     # Blocks of BLOCK lanes: one long level loop over their elements, then the packing.
+    # A non-finite c leaves a non-finite residual: counted while the block is in cache.
     cdef Py_ssize_t i0, i1, start, cnt
     cdef int q[BLOCK * MAX_DIGITS]
     i0 = lo
@@ -110,6 +109,7 @@ cdef void _enc_2bit(const float* g, float* r, double* lanes, const uint64_t* pw,
         start = i0 * k
         cnt = min(i1 * k, n) - start
         _levels_2bit(g + start, r + start, q, cnt, t)
+        bad[0] += _count_bad(r + start, cnt)
         _pack_block(q, pw, lanes, i0, i1, n, k)
         i0 = i1
 
@@ -130,7 +130,7 @@ cdef inline void _levels_1bit(const float* g, float* r, int* q, float* comp,
 
 cdef double _enc_1bit(const float* g, float* r, double* lanes, const uint64_t* pw,
                       float s, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
-                      Py_ssize_t k) noexcept nogil:
+                      Py_ssize_t k, Py_ssize_t* bad) noexcept nogil:
     # Returns sum |c| over the chunk, added in element order (a loop of its own, so the
     # level loop still vectorizes).
     cdef Py_ssize_t i0, i1, j, start, cnt
@@ -143,6 +143,7 @@ cdef double _enc_1bit(const float* g, float* r, double* lanes, const uint64_t* p
         start = i0 * k
         cnt = min(i1 * k, n) - start
         _levels_1bit(g + start, r + start, q, comp, cnt, s)
+        bad[0] += _count_bad(comp, cnt)
         _pack_block(q, pw, lanes, i0, i1, n, k)
         for j in range(cnt):
             total += fabs(<double>comp[j])
@@ -186,7 +187,8 @@ cdef inline void _levels_4bit(const float* g, float* r, int* q, Py_ssize_t cnt,
 
 cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* pw,
                       const float* th, const int* units, int offset, Py_ssize_t lo,
-                      Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k) noexcept nogil:
+                      Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k,
+                      Py_ssize_t* bad) noexcept nogil:
     # Returns sum |g| over the chunk, added in element order.
     cdef Py_ssize_t i0, i1, j, start, cnt
     cdef int q[BLOCK * MAX_DIGITS]
@@ -197,6 +199,7 @@ cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* p
         start = i0 * k
         cnt = min(i1 * k, n) - start
         _levels_4bit(g + start, r + start, q, cnt, th, units, offset)
+        bad[0] += _count_bad(r + start, cnt)
         _pack_block(q, pw, lanes, i0, i1, n, k)
         for j in range(start, start + cnt):
             total += fabs(<double>g[j])
@@ -205,17 +208,20 @@ cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* p
 
 
 cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
-                    Py_ssize_t hi) noexcept nogil:
+                    Py_ssize_t hi, Py_ssize_t* bad) noexcept nogil:
     cdef Py_ssize_t j
     for j in range(lo, hi):
         lanes[j] = g[j] + r[j]
         r[j] = 0.0
+    bad[0] += _count_bad(lanes + lo, hi - lo)
 
 
 # ---------------------------------------------------------------- encode driver
-# One parallel region per call: a read-only pass checks float32(g + r) for NaN/Inf in
+# One parallel region per call: a read-only pass checks the gradient for NaN/Inf in
 # chunks of CHECK_CHUNK elements; only when every chunk is clean (all threads see the
-# same flags after the barrier) does the encoding pass write anything.
+# same flags after the barrier) does the encoding pass write anything. The encoding
+# pass also counts non-finite c = g + r (float32 overflow, or a non-finite residual
+# handed in), which it can only find while writing.
 
 cdef enum:
     MODE_NONE = 0
@@ -240,20 +246,22 @@ cdef struct Job:
     Py_ssize_t chunk
 
 
-cdef double _encode_chunk(const Job* job, Py_ssize_t c) noexcept nogil:
-    """Encode lanes [c*chunk, (c+1)*chunk); returns the chunk's trailer partial sum."""
+cdef double _encode_chunk(const Job* job, Py_ssize_t c, Py_ssize_t* bad) noexcept nogil:
+    """Encode lanes [c*chunk, (c+1)*chunk); returns the chunk's trailer partial sum and
+    adds the count of non-finite c to bad[0]."""
     cdef Py_ssize_t lo = c * job.chunk
     cdef Py_ssize_t hi = min(lo + job.chunk, job.n_lanes)
     if job.mode == MODE_2BIT:
-        _enc_2bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n, job.k)
+        _enc_2bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n, job.k,
+                  bad)
         return 0.0
     if job.mode == MODE_1BIT:
         return _enc_1bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n,
-                         job.k)
+                         job.k, bad)
     if job.mode == MODE_4BIT:
         return _enc_4bit(job.g, job.r, <double*>job.out, job.pw, job.th, job.units,
-                         job.offset, lo, hi, job.n, job.k)
-    _copy_sum(job.g, job.r, <float*>job.out, lo, hi)
+                         job.offset, lo, hi, job.n, job.k, bad)
+    _copy_sum(job.g, job.r, <float*>job.out, lo, hi, bad)
     return 0.0
 
 
@@ -266,39 +274,43 @@ cdef inline bint _all_zero(const Py_ssize_t* flags, Py_ssize_t count) noexcept n
 
 
 cdef tuple _run(Job* job, int num_threads):
-    """Check, then encode; returns (non-finite count, trailer sum). Nothing is written
-    to the residual or the lanes when the count is not 0."""
+    """Check, then encode. Returns (non-finite grad count, non-finite grad + residual
+    count, trailer sum); nothing is written when the first count is not 0."""
     cdef Py_ssize_t n_check = _ceil_div(job.n, CHECK_CHUNK)
     cdef Py_ssize_t n_chunks = _ceil_div(job.n_lanes, job.chunk)
-    cdef Py_ssize_t c1, c2, bad = 0
+    cdef Py_ssize_t c1, c2, bad = 0, bad_comp = 0
     cdef double total = 0.0
     cdef bint clean = False
     cdef int team = _team(num_threads, max(n_check, n_chunks))
     if job.n == 0:
-        return 0, 0.0
+        return 0, 0, 0.0
     cdef Py_ssize_t* flags = <Py_ssize_t*>calloc(n_check, sizeof(Py_ssize_t))
+    cdef Py_ssize_t* comp_flags = <Py_ssize_t*>calloc(n_chunks, sizeof(Py_ssize_t))
     cdef double* part = <double*>calloc(n_chunks, sizeof(double))
-    if flags == NULL or part == NULL:
+    if flags == NULL or comp_flags == NULL or part == NULL:
         free(flags)
+        free(comp_flags)
         free(part)
         raise MemoryError()
     with nogil, parallel(num_threads=team):
         for c1 in prange(n_check, schedule="dynamic"):
-            flags[c1] = _count_bad(job.g, job.r, c1 * CHECK_CHUNK,
-                                   min((c1 + 1) * CHECK_CHUNK, job.n))
+            flags[c1] = _count_bad(job.g + c1 * CHECK_CHUNK,
+                                   min(CHECK_CHUNK, job.n - c1 * CHECK_CHUNK))
         slimgc_barrier()   # every flag is written before anyone reads them
         clean = _all_zero(flags, n_check)
         if clean:
             for c2 in prange(n_chunks, schedule="dynamic"):
-                part[c2] = _encode_chunk(job, c2)
+                part[c2] = _encode_chunk(job, c2, &comp_flags[c2])
     for c1 in range(n_check):
         bad += flags[c1]
     if bad == 0:
         for c2 in range(n_chunks):
             total += part[c2]
+            bad_comp += comp_flags[c2]
     free(flags)
+    free(comp_flags)
     free(part)
-    return bad, total
+    return bad, bad_comp, total
 
 
 cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
@@ -325,7 +337,8 @@ def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, float threshold, int num_threads):
     """2bit: levels {-t, 0, +t} -> q in {0, 1, 2}; fills lanes[:ceil(n/k)], updates residual.
 
-    Returns (number of non-finite grad + residual, 0.0); nothing is written when it is not 0.
+    Returns (non-finite grad count, non-finite grad + residual count, 0.0); nothing is
+    written when the first count is not 0.
     """
     cdef Job job = _job(MODE_2BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
                         lanes.shape[0], powers)
@@ -335,7 +348,7 @@ def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
 
 def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, float scale, int num_threads):
-    """1bit: q = (c >= 0), value scale * (2q - 1); returns (non-finite count, sum |c|)."""
+    """1bit: q = (c >= 0), value scale * (2q - 1); returns (counts as 2bit, sum |c|)."""
     cdef Job job = _job(MODE_1BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
                         lanes.shape[0], powers)
     job.param = scale
@@ -345,7 +358,7 @@ def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
 def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, const float[::1] thresholds,
                 const int[::1] units, int offset, int num_threads):
-    """4bit: q = offset +- units[#thresholds <= |c|]; returns (non-finite count, sum |g|).
+    """4bit: q = offset +- units[#thresholds <= |c|]; returns (counts as 2bit, sum |g|).
 
     thresholds ascending, thresholds[k] = float32(unit * units[k+1]) (the decoded
     values); units[0] = 0. Levels q lie in 0..2*offset.
@@ -363,7 +376,7 @@ def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
 
 
 def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, int num_threads):
-    """Passthrough: lanes = grad + residual (float32), residual = 0; returns (non-finite, 0)."""
+    """Passthrough: lanes = grad + residual (float32), residual = 0; counts as 2bit."""
     cdef uint64_t one[1]
     one[0] = 1
     cdef Job job = _job(MODE_NONE, grad, residual, &lanes[0] if lanes.shape[0] else NULL,

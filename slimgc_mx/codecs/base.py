@@ -262,9 +262,10 @@ class Codec:
     def encode(self, grad, residual, num_workers, out=None):
         """Compensate, quantize and pack: returns the lanes; `residual` is updated in place.
 
-        grad, residual: 1-D C-contiguous float32 of equal length. Raises
-        NonFiniteGradientError, before touching residual or out, when grad + residual
-        holds NaN or Inf (a read-only pass checks everything before anything is written).
+        grad, residual: 1-D C-contiguous float32 of equal length. NaN/Inf in grad raises
+        NonFiniteGradientError before residual or out is touched (a read-only pass runs
+        first); a non-finite grad + residual (float32 overflow, or a non-finite residual
+        handed in) raises it too, found while encoding (see docs/codecs.md).
         """
         n_workers = check_num_workers(num_workers)
         radix, k = self.geometry(n_workers)
@@ -319,17 +320,20 @@ class Codec:
     def _encode_into(self, grad, residual, out, radix, k):
         """Fill out[:ceil(n/k)], update residual; return the trailer sum (or None).
 
-        Raises NonFiniteGradientError, having written nothing, when grad + residual is
-        not finite.
+        Raises NonFiniteGradientError when grad holds NaN/Inf (having written nothing)
+        or when grad + residual is not finite.
         """
         raise NotImplementedError
 
     @staticmethod
-    def _kernel_result(result, grad, residual):
-        """A kernel's (non-finite count, trailer sum) -> the trailer sum, or the error."""
-        bad, total = result
-        if bad:
+    def _kernel_result(result, grad, residual, out):
+        """A kernel's (non-finite grad, non-finite grad + residual, trailer sum) counts ->
+        the trailer sum, or the error."""
+        bad_grad, bad_sum, total = result
+        if bad_grad:
             raise_nonfinite(grad, residual)
+        if bad_sum:
+            raise_nonfinite(grad, residual, out)
         return total
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
@@ -337,17 +341,30 @@ class Codec:
         kernels().decode_lanes(lanes_sum, out, rows, k, m, self.num_threads)
 
 
-def raise_nonfinite(grad, residual):
-    """Raise NonFiniteGradientError naming the first offending element (slow path only)."""
+def raise_nonfinite(grad, residual, out=None):
+    """Raise NonFiniteGradientError naming the first offending element (slow path only).
+
+    `out` given: the kernel found a non-finite grad + residual (grad itself finite)
+    while encoding, so residual and out were already written.
+    """
     bad = np.flatnonzero(~np.isfinite(grad))
     if bad.size:
         i = int(bad[0])
         raise NonFiniteGradientError(
             "grad[%d] = %r is not finite (%d non-finite elements); residual and out were not "
             "modified" % (i, float(grad[i]), bad.size))
-    with np.errstate(over="ignore", invalid="ignore"):
-        bad = np.flatnonzero(~np.isfinite(grad + residual))
+    if out is None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = np.flatnonzero(~np.isfinite(grad + residual))
+        i = int(bad[0]) if bad.size else -1
+        raise NonFiniteGradientError(
+            "grad + residual is not finite at index %d (a float32 overflow, or a non-finite "
+            "residual); residual and out were not modified" % i)
+    bad = np.flatnonzero(~np.isfinite(residual))
+    if not bad.size and out.dtype == np.float32:
+        bad = np.flatnonzero(~np.isfinite(out))
     i = int(bad[0]) if bad.size else -1
     raise NonFiniteGradientError(
-        "grad + residual is not finite at index %d (residual %r); residual and out were not "
-        "modified" % (i, float(residual[i]) if bad.size else float("nan")))
+        "grad is finite but grad + residual is not at index %d (a float32 overflow, or a "
+        "non-finite residual handed in); found while encoding, so residual and out were "
+        "updated: reset the residual (residual[:] = 0)" % i)

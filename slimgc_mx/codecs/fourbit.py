@@ -78,4 +78,4 @@ class FourBit(Codec):
         return self._kernel_result(
             kernels().encode_4bit(grad, residual, out, self._powers(radix, k), thresholds,
                                   units, MAX_UNITS, self.num_threads),
-            grad, residual)
+            grad, residual, out)

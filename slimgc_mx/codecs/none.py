@@ -20,7 +20,7 @@ class NoneCodec(Codec):
 
     def _encode_into(self, grad, residual, out, radix, k):
         self._kernel_result(kernels().encode_none(grad, residual, out, self.num_threads),
-                            grad, residual)
+                            grad, residual, out)
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         np.copyto(out, lanes_sum)

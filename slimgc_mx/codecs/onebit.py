@@ -46,4 +46,4 @@ class OneBit(Codec):
         return self._kernel_result(
             kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
                                   np.float32(self.scale), self.num_threads),
-            grad, residual)
+            grad, residual, out)

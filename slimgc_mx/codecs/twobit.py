@@ -19,4 +19,4 @@ class TwoBit(Codec):
         return self._kernel_result(
             kernels().encode_2bit(grad, residual, out, self._powers(radix, k),
                                   np.float32(self._threshold), self.num_threads),
-            grad, residual)
+            grad, residual, out)
