@@ -13,6 +13,7 @@ Distributed runs need the DMLC_* environment of a parameter-server job, e.g.
 import mxnet as mx  # noqa: E402  (must stay first)
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -101,7 +102,9 @@ def build_parser():
     g = p.add_argument_group("output")
     g.add_argument("--warmup-steps", type=int, default=10,
                    help="steps left out of the median per-step throughput")
-    g.add_argument("--json", metavar="FILE", default=None, help="write the result here (rank 0)")
+    g.add_argument("--json", metavar="FILE", default=None,
+                   help="write the result here (rank 0); with several workers every rank "
+                        "also writes FILE-stem.rankN.json")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-hybridize", action="store_true", help="run the model imperatively")
     return p
@@ -123,15 +126,6 @@ def make_kvstore(args):
             params = {"type": args.compressor, "threshold": args.threshold}
         return kv, params
     import slimgc_mx  # noqa: F401  (registers the kvstore)
-    from mxnet.kvstore import KVStoreBase
-    if "slimgc" not in KVStoreBase.kv_registry:
-        try:
-            import slimgc_mx.kvstore  # noqa: F401
-        except ImportError as e:
-            sys.exit("the slimgc kvstore is not available (%s); use --kvstore dist_sync or local"
-                     % e)
-    if "slimgc" not in KVStoreBase.kv_registry:
-        sys.exit("importing slimgc_mx did not register a 'slimgc' kvstore")
     kv = mx.kv.create("slimgc")
     params = {"type": args.compressor, "threshold": args.threshold,
               "comm_threshold": args.comm_threshold,
@@ -309,6 +303,9 @@ def main(argv=None):
     if callable(flush):
         flush()
     final_acc = evaluate(net, data.x_test, data.y_test)
+    digest = hashlib.sha256()
+    for name, param in sorted(net.collect_params().items()):
+        digest.update(param.data(ctx).asnumpy().tobytes())
     stats_fn = getattr(kvobj, "stats", None)
     stats = stats_fn() if callable(stats_fn) else None
 
@@ -328,6 +325,8 @@ def main(argv=None):
         "global_batch": global_batch,
         "history": history,
         "final_test_acc": final_acc,
+        # After flush(): equal on every worker when the global weights agree bit for bit.
+        "global_weights_sha256": digest.hexdigest(),
         # Global samples (all workers) per second, measured on this rank.
         "samples_per_s": {"median_step": global_batch / med_step if med_step > 0 else None,
                           "overall": total_steps * global_batch / train_time if train_time else None,
@@ -355,12 +354,23 @@ def main(argv=None):
                                % (fmt_bytes(pushed), fmt_bytes(pulled or 0), fmt_bytes(fp32),
                                   100.0 * pushed / fp32, 100.0 * (pulled or 0) / fp32))
         print("summary: " + " | ".join(summary), flush=True)
-        if args.json:
-            tmp = args.json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(result, f, indent=2, default=_json_default)
-            os.replace(tmp, args.json)
+    if args.json:
+        write_json(result, args.json if is_root else None)
+        if num_workers > 1:
+            stem, ext = os.path.splitext(args.json)
+            write_json(result, "%s.rank%d%s" % (stem, rank, ext or ".json"))
     return result
+
+
+def write_json(result, path):
+    """Write atomically (rank 0: FILE; every rank of a multi-worker job: FILE.rankN)."""
+    if path is None:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2, default=_json_default)
+    os.replace(tmp, path)
 
 
 def _json_default(o):

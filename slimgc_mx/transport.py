@@ -193,7 +193,6 @@ class DistTransport(Transport):
     def close(self):
         """Finalize MXNet's kvstore while the interpreter is fully alive (collective)."""
         if self._kv is not None:
-            mx.nd.waitall()
             self._kv = None
 
 
