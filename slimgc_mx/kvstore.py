@@ -20,7 +20,7 @@ from .backup import LocalUpdater, ModelBackup, clone_optimizer
 from .config import SlimGCConfig
 from .pipeline import Job, KeyBuffers, Pipeline
 from .threshold import CTTab, NEVER
-from .transport import Buffer, create_transport
+from .transport import Buffer, EngineNotifier, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SlimGC(KVStoreBase):
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
                                          lanes=self._lane_format()))
         self._backup = ModelBackup(cfg.backup, cfg.timeout)
-        self._pipeline = Pipeline(transport, self._finish, self._backup.fail)
+        self._pipeline = Pipeline(transport, self._finish, self._backup.fail, EngineNotifier())
         log.info("slimgc: rank %d/%d, transport %s, %s", transport.rank, transport.num_workers,
                  transport.kind, cfg)
 
@@ -216,7 +216,13 @@ class SlimGC(KVStoreBase):
             except codecs.NonFiniteGradientError:
                 b.bit_send.nd[:] = np.nan
                 job.nonfinite = True
-        self._pipeline.submit(job)
+        if serial:
+            # Warm-up: one transfer at a time, in the trainer's key order on every worker.
+            self._pipeline.submit(job)
+        else:
+            # Consume keys as their gradients become ready, not in a fixed order.
+            self._pipeline.submit(job, ready=(b.bit_send if job.compressed and b.device is not None
+                                              else b.grad_buf).nd)
 
     def _local_update_ready(self):
         if self._local_updater is None:

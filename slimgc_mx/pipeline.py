@@ -99,8 +99,9 @@ class Job:
 class Pipeline:
     """Runs jobs through encoder -> communicator -> finisher threads."""
 
-    def __init__(self, transport, finish, on_error):
+    def __init__(self, transport, finish, on_error, notifier=None):
         self.transport = transport
+        self._notifier = notifier
         self._finish = finish
         self._on_error = on_error
         self.error = None
@@ -117,12 +118,16 @@ class Pipeline:
             t.start()
             self._threads.append(t)
 
-    def submit(self, job):
+    def submit(self, job, ready=None):
+        """Queue `job`; with `ready` (an NDArray) it enters once the engine has written it."""
         if self.error is not None:
             raise PipelineError("the aggregation pipeline already failed") from self.error
         with self._idle:
             self._pending += 1
-        self._queues[0].put(job)
+        if ready is None:
+            self._queues[0].put(job)
+        else:
+            self._notifier.when_readable(ready, lambda: self._queues[0].put(job))
 
     def wait_idle(self, timeout):
         """Block until every submitted job has finished; raise on failure or timeout."""

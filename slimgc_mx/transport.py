@@ -5,12 +5,13 @@ over all workers. The pipeline owns the buffers (`Buffer`: a CPU NDArray plus a
 zero-copy NumPy view of it), so codecs write straight into what MXNet sends.
 """
 import ctypes
+import itertools
 import os
 import threading
 
 import mxnet as mx
 import numpy as np
-from mxnet.base import _LIB, check_call
+from mxnet.base import _LIB, NDArrayHandle, check_call
 
 _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
 
@@ -52,6 +53,42 @@ class Buffer:
         """The NumPy view, after every pending engine read and write has finished."""
         check_call(_LIB.MXNDArrayWaitToWrite(self.nd.handle))
         return self._np
+
+
+class _Context(ctypes.Structure):
+    _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int)]
+
+
+_ENGINE_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class EngineNotifier:
+    """Runs a callback once an NDArray's pending writes are done, in the order they finish.
+
+    It pushes a tiny operator that reads the array into MXNet's engine; the engine
+    runs it right after the array's producer (e.g. the copy of a gradient that
+    backward has just finished), so keys are consumed as they become ready.
+    """
+
+    def __init__(self):
+        self._callbacks = {}
+        self._tokens = itertools.count(1)
+        self._lock = threading.Lock()
+        self._func = _ENGINE_FUNC(self._fire)  # kept alive as long as the notifier
+        self._cpu = _Context(1, 0)
+
+    def _fire(self, run_context, token):
+        with self._lock:
+            callback = self._callbacks.pop(token)
+        callback()
+
+    def when_readable(self, nd, callback):
+        token = next(self._tokens)
+        with self._lock:
+            self._callbacks[token] = callback
+        check_call(_LIB.MXEnginePushSyncND(
+            self._func, ctypes.c_void_p(token), None, ctypes.byref(self._cpu),
+            (NDArrayHandle * 1)(nd.handle), 1, None, 0, None, 0, None))
 
 
 class Handle:
@@ -210,24 +247,42 @@ class ThreadGroup:
         self.link = link
         self._cond = threading.Condition()
         self._rounds = {}  # (wire_key, round) -> [sum, arrivals, results_taken]
-        self._values = {}
 
     def transport(self, rank):
         return _ThreadTransport(self, rank)
 
-    def _sum(self, wire_key, rnd, array):
+    def _add(self, wire_key, rnd, array):
+        """Add one worker's contribution; returns a function that waits for and takes the sum."""
         with self._cond:
             slot = self._rounds.setdefault((wire_key, rnd), [np.zeros_like(array), 0, 0])
             slot[0] += array
             slot[1] += 1
             self._cond.notify_all()
-            if not self._cond.wait_for(lambda: slot[1] == self.num_workers, timeout=60):
-                raise TransportTimeout("thread group: not every worker pushed key %r" % (wire_key,))
-            result = slot[0].copy()
-            slot[2] += 1
-            if slot[2] == self.num_workers:
-                del self._rounds[(wire_key, rnd)]
-        return result
+
+        def take():
+            with self._cond:
+                if not self._cond.wait_for(lambda: slot[1] == self.num_workers, timeout=60):
+                    raise TransportTimeout("thread group: not every worker pushed key %r"
+                                           % (wire_key,))
+                slot[2] += 1
+                if slot[2] == self.num_workers:
+                    del self._rounds[(wire_key, rnd)]
+                return slot[0].copy()
+        return take
+
+    def _sum(self, wire_key, rnd, array):
+        return self._add(wire_key, rnd, array)()
+
+
+class _ThreadHandle(Handle):
+    """Waits for the other workers' contributions, like a pull from a dist_sync server."""
+
+    def __init__(self, recv, take, elapsed):
+        super().__init__(recv, elapsed)
+        self._take = take
+
+    def wait(self):
+        np.copyto(self._recv.for_write(), self._take())
 
 
 class _ThreadTransport(Transport):
@@ -248,10 +303,9 @@ class _ThreadTransport(Transport):
         pass
 
     def push_pull(self, wire_key, send, recv):
-        total = self._group._sum(wire_key, self._next_round(wire_key), send.for_read())
-        np.copyto(recv.for_write(), total)
+        take = self._group._add(wire_key, self._next_round(wire_key), send.for_read())
         link = self._group.link
-        return Handle(recv, None if link is None else link(send.nbytes))
+        return _ThreadHandle(recv, take, None if link is None else link(send.nbytes))
 
     def broadcast(self, wire_key, buf):
         view = buf.for_read()

@@ -431,3 +431,29 @@ def test_loading_a_foreign_or_mismatched_checkpoint_is_refused(tmp_path):
         other.load_optimizer_states(path)
     kv.close()
     other.close()
+
+
+def test_keys_enter_the_pipeline_as_their_gradients_become_ready(monkeypatch):
+    """Key 0's gradient is still being computed by the engine; key 1 goes first."""
+    from slimgc_mx.pipeline import Pipeline
+
+    order = []
+    original = Pipeline._encode
+
+    def recording(self, job):
+        order.append(job.key)
+        return original(self, job)
+
+    monkeypatch.setattr(Pipeline, "_encode", recording)
+    kv = SlimGC(compressor="2bit", comm_threshold="off", backup=True)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    w = [mx.nd.zeros(100), mx.nd.zeros(100)]
+    for k in range(2):
+        kv.broadcast(k, w[k], out=w[k])
+    a = mx.nd.random.uniform(shape=(1200, 1200))
+    slow = mx.nd.dot(mx.nd.dot(a, a), a).sum(axis=0)[:100]  # queued, not finished
+    kv.pushpull(0, slow, out=w[0])
+    kv.pushpull(1, mx.nd.ones(100), out=w[1])
+    kv.flush()
+    kv.close()
+    assert order == [1, 0]
