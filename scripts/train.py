@@ -15,6 +15,7 @@ import mxnet as mx  # noqa: E402  (must stay first)
 import argparse
 import hashlib
 import json
+import logging
 import os
 import random
 import sys
@@ -200,6 +201,7 @@ def progress_bar(total, desc, enabled):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.compressor is None:
         args.compressor = "2bit" if args.kvstore == "slimgc" else "none"
     if args.kvstore != "slimgc" and (args.no_backup or args.no_offload
@@ -345,8 +347,13 @@ def main(argv=None):
         if stats:
             ct = stats.get("comm_threshold_bytes")
             phase = stats.get("comm_threshold_phase")
-            summary.append("comm threshold %s%s" % (fmt_bytes(ct) if isinstance(ct, int) else ct,
-                                                    " (%s)" % phase if phase else ""))
+            if isinstance(ct, int):
+                chosen = fmt_bytes(ct)
+            elif args.compressor == "none":
+                chosen = "n/a (compressor none)"
+            else:
+                chosen = "never (CTTab: compression does not pay on this link)"
+            summary.append("comm threshold %s%s" % (chosen, " (%s)" % phase if phase else ""))
             pushed, pulled, fp32 = (stats.get(k) for k in ("bytes_pushed", "bytes_pulled",
                                                            "bytes_fp32"))
             if pushed is not None and fp32:
@@ -354,6 +361,9 @@ def main(argv=None):
                                % (fmt_bytes(pushed), fmt_bytes(pulled or 0), fmt_bytes(fp32),
                                   100.0 * pushed / fp32, 100.0 * (pulled or 0) / fp32))
         print("summary: " + " | ".join(summary), flush=True)
+    cttab = getattr(kvobj, "cttab", None)
+    if args.json and is_root and cttab is not None and cttab.rows:
+        cttab.save(os.path.splitext(args.json)[0] + ".cttab")  # the paper's Fig. 6 table
     if args.json:
         write_json(result, args.json if is_root else None)
         if num_workers > 1:

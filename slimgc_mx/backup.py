@@ -11,6 +11,7 @@ and copies it into the parameters (synchronous SGD).
 """
 import copy
 import threading
+import time
 
 import mxnet as mx
 
@@ -39,6 +40,7 @@ class ModelBackup:
         self._cond = threading.Condition()
         self._error = None
         self._error_where = None
+        self.blocked_s = 0.0  # training-thread time spent waiting for global weights
 
     def add(self, key, weight):
         """Register `key` with initial global weights (copied to a CPU, default-layout glo_buf)."""
@@ -92,9 +94,11 @@ class ModelBackup:
     def wait_version(self, key, version):
         """Block until glo_buf of `key` holds w_version; raise on pipeline failure or timeout."""
         slot = self._slots[key]
+        start = time.perf_counter()
         with self._cond:
             ok = self._cond.wait_for(lambda: slot.version >= version or self._error is not None,
                                      self.timeout)
+            self.blocked_s += time.perf_counter() - start
             if self._error is not None:
                 from .pipeline import PipelineError
                 raise PipelineError("aggregation failed in a background thread (%s): %s"

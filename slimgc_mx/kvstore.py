@@ -45,7 +45,8 @@ class SlimGC(KVStoreBase):
         self._pipeline = None
         self._backup = None
         self._cttab = None
-        self._bytes = {"pushed": 0, "pulled": 0, "fp32": 0}
+        self._bytes = {"pushed": 0, "pulled": 0, "fp32": 0, "comm_s": 0.0, "compress_s": 0.0,
+                       "transfers": 0, "compressed_transfers": 0}
         _LIVE.add(self)
 
     # -- KVStoreBase properties ------------------------------------------------------------
@@ -242,6 +243,10 @@ class SlimGC(KVStoreBase):
         self._bytes["pushed"] += send.nbytes
         self._bytes["pulled"] += send.nbytes
         self._bytes["fp32"] += b.nbytes
+        self._bytes["comm_s"] += job.t_comm
+        self._bytes["compress_s"] += job.t_proc
+        self._bytes["transfers"] += 1
+        self._bytes["compressed_transfers"] += int(job.compressed)
         self._cttab.record(key, b.nbytes, job.compressed, job.t_comm, job.t_proc)
         if opt_settings is None:
             self._backup.publish(key, job.step, lambda glo: None, local)
@@ -356,15 +361,26 @@ class SlimGC(KVStoreBase):
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self):
-        """Bytes on the wire (each direction) versus fp32, and the threshold decision."""
+        """Bytes on the wire (each direction) versus fp32, times, and the threshold decision.
+
+        comm_s: transfer time summed over keys (transfers overlap each other);
+        compress_s: encode + decode time; blocked_s: time the training thread waited
+        for global weights (the communication that was not hidden).
+        """
         best = self._cttab.best_ct if self._cttab is not None else None
+        c = self._bytes
         return {
             "compressor": self.config.compressor,
             "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
             "comm_threshold_phase": self._cttab.phase if self._cttab else None,
-            "bytes_pushed": self._bytes["pushed"],
-            "bytes_pulled": self._bytes["pulled"],
-            "bytes_fp32": self._bytes["fp32"],
+            "bytes_pushed": c["pushed"],
+            "bytes_pulled": c["pulled"],
+            "bytes_fp32": c["fp32"],
+            "transfers": c["transfers"],
+            "compressed_transfers": c["compressed_transfers"],
+            "comm_s": c["comm_s"],
+            "compress_s": c["compress_s"],
+            "blocked_s": self._backup.blocked_s if self._backup else 0.0,
             "cttab": list(self._cttab.rows) if self._cttab else [],
         }
 
