@@ -177,6 +177,9 @@ class SlimGC(KVStoreBase):
                                  % (key, tuple(g.shape), b.shape))
         if self._cttab.needs_decision(step):
             self._decide_threshold()
+        every = self.config.audit_every
+        if every and step and step % every == 0 and b.index == 0:
+            self._audit(step)
         if self._optimizer is None:
             return self._allreduce(key, b, step, grads, outs if outs is not None else grads)
 
@@ -268,6 +271,17 @@ class SlimGC(KVStoreBase):
         votes = self._transport.allgather([-1.0 if mine == NEVER else float(mine)])
         chosen = votes[0, 0]
         self._cttab.adopt(NEVER if chosen < 0 else int(chosen))
+
+    def _audit(self, step):
+        """Consistency audit: all workers compare a checksum of every key's global weights."""
+        self._pipeline.wait_idle(self.config.timeout)
+        names = {}
+        param_dict = getattr(self._optimizer, "param_dict", None) or {}
+        for key in self._keys:
+            param = param_dict.get(key)
+            names[key] = "%r (%s)" % (key, param.name) if param is not None else repr(key)
+        agreement.audit(self._transport, {names[k]: self._backup.glo_buf(k).asnumpy().tobytes()
+                                          for k in self._keys}, step)
 
     # -- reading weights back --------------------------------------------------------------
     def pull(self, key, out=None, priority=0, ignore_sparse=True):

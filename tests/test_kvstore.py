@@ -457,3 +457,29 @@ def test_keys_enter_the_pipeline_as_their_gradients_become_ready(monkeypatch):
     kv.flush()
     kv.close()
     assert order == [1, 0]
+
+
+def test_consistency_audit_names_the_first_diverging_parameter():
+    from slimgc_mx.agreement import WeightDivergenceError
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="none", backup=False, audit_every=1)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+        ws = [mx.nd.zeros(4), mx.nd.zeros(3)]
+        for k in range(2):
+            kv.broadcast(k, ws[k], out=ws[k])
+        for step in range(2):
+            for k in range(2):
+                kv.pushpull(k, mx.nd.ones(ws[k].shape), out=ws[k])
+        ok = [w.asnumpy().copy() for w in ws]
+        if rank == 1:  # corrupt this worker's global copy of key 1
+            kv._backup.glo_buf(1)[:] = 5
+        with pytest.raises(WeightDivergenceError, match=r"parameter 1 differ") as info:
+            kv.pushpull(0, mx.nd.ones(4), out=ws[0])  # step 2: the audit runs first
+        kv.close()
+        return ok, str(info.value)
+
+    (ok0, msg0), (ok1, msg1) = _in_threads(2, worker)
+    np.testing.assert_array_equal(ok0[0], ok1[0])
+    assert "ranks [0]" in msg0 and "ranks [1]" in msg0
+    assert "step 2" in msg1
