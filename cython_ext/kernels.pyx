@@ -1,5 +1,6 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""nogil codec kernels: fused compensate + quantize + residual + lane packing, and lane unpacking.
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: initializedcheck=False
+"""nogil codec kernels: fused compensate + quantize + residual + packing, and unpacking.
 
 Every kernel takes caller-provided outputs and a thread count, and splits its work
 into fixed chunks of CHUNK_LANES lanes, so 1 thread and N threads give bitwise
