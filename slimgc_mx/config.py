@@ -142,4 +142,12 @@ def _parse(name, raw, where):
             return raw.lower() if raw.lower() in ("auto", "off") else int(raw)
         return raw
     except ValueError:
-        raise ValueError("cannot parse %s=%r for option %r" % (where, raw, name)) from None
+        raise ValueError("cannot parse %s=%r for option %r: expected %s"
+                         % (where, raw, name, _EXPECTED.get(name, "a string"))) from None
+
+
+_BOOL = "1/0, true/false, yes/no or on/off"
+_EXPECTED = {"backup": _BOOL, "offload": _BOOL,
+             "threshold": "a number", "timeout": "a number of seconds", "loc_lr": "a number",
+             "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
+             "comm_threshold": "'auto', 'off' or a size in bytes"}

@@ -31,7 +31,7 @@ def test_trainer_compression_params_style():
     ({"threshold": 0}, "threshold must be a positive finite number"),
     ({"threshold": float("nan")}, "threshold must be a positive finite number"),
     ({"threshold": float("inf")}, "threshold must be a positive finite number"),
-    ({"comm_threshold": "sometimes"}, "comm_threshold must be 'auto', 'off' or a size"),
+    ({"comm_threshold": "sometimes"}, "expected 'auto', 'off' or a size in bytes"),
     ({"comm_threshold": -1}, "comm_threshold must be 'auto', 'off' or a non-negative size"),
     ({"warmup_steps": 1}, "warmup_steps must be an integer >= 2"),
     ({"num_threads": 0}, "num_threads must be an integer >= 1"),
