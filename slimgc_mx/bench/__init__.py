@@ -8,6 +8,7 @@ import sys
 #: subcommand -> module implementing it
 SUBCOMMANDS = {
     "codecs": "slimgc_mx.bench.codecs",
+    "cluster": "slimgc_mx.bench.cluster",
 }
 
 PROG = "python -m slimgc_mx.bench"

@@ -1,0 +1,794 @@
+"""Emulated-cluster benchmark: one network namespace per node, rate-limited veth links.
+
+Runs scripts/train.py through the launcher for several configurations side by side
+(MXNet fp32 and 2bit, SlimGC ablations, no communication) and measures throughput,
+bytes on the wire from each worker's interface counters, time composition and the
+threshold table. See docs/results.md for what every number means.
+"""
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+from .. import launch
+
+DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, time "
+               "composition, CTTab, accuracy vs MXNet's own baselines")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(ROOT, "scripts", "train.py")
+NS_PREFIX = "slimgc-"           # every namespace this harness creates starts with this
+NODE_IFACE = "eth0"             # a node's interface inside its namespace
+CODECS = ("1bit", "2bit", "4bit")
+ABLATIONS = ("classic", "cgopt", "offload", "full")
+_RATE = re.compile(r"^\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)$", re.I)
+_DELAY = re.compile(r"^\d+(\.\d+)?(us|ms|s)$", re.I)
+
+
+# ---------------------------------------------------------------- configurations
+
+def config_args(name: str) -> List[str]:
+    """train.py communication options of a configuration name (ValueError if unknown)."""
+    if name == "fp32":
+        return ["--kvstore", "dist_sync", "--compressor", "none"]
+    if name == "mxnet-2bit":
+        return ["--kvstore", "dist_sync", "--compressor", "2bit", "--threshold", "0.5"]
+    if name == "no-comm":
+        return ["--kvstore", "local"]
+    m = re.fullmatch(r"slimgc-(1bit|2bit|4bit)-(classic|cgopt|offload|full)", name)
+    if not m:
+        raise ValueError("unknown configuration %r; valid: %s" % (name, ", ".join(all_configs())))
+    codec, step = m.groups()
+    args = ["--kvstore", "slimgc", "--compressor", codec, "--threshold", "0.5"]
+    args += {"classic": ["--comm-threshold", "off", "--no-offload", "--no-backup"],
+             "cgopt": ["--comm-threshold", "auto", "--no-offload", "--no-backup"],
+             "offload": ["--comm-threshold", "auto", "--no-backup"],
+             "full": ["--comm-threshold", "auto"]}[step]
+    return args
+
+
+def all_configs(codecs=CODECS) -> List[str]:
+    """Every configuration, baselines first, ablations in order within each codec."""
+    names = ["fp32", "mxnet-2bit"]
+    for c in codecs:
+        names += ["slimgc-%s-%s" % (c, a) for a in ABLATIONS]
+    return names + ["no-comm"]
+
+
+def parse_configs(text: str, codecs) -> List[str]:
+    """--configs: 'all', or a comma list of names; 'slimgc-2bit' expands to its 4 ablations."""
+    if text == "all":
+        return all_configs(codecs)
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if re.fullmatch(r"slimgc-(1bit|2bit|4bit)", item):
+            out += ["%s-%s" % (item, a) for a in ABLATIONS]
+        else:
+            config_args(item)
+            out.append(item)
+    return out
+
+
+# ---------------------------------------------------------------- network namespaces
+
+def _run(argv: List[str], check=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError("%s failed (%d): %s" % (" ".join(argv), proc.returncode,
+                                                   proc.stderr.strip() or proc.stdout.strip()))
+    return proc
+
+
+def netns_available() -> (bool, str):
+    """Whether this process can build the emulated cluster; otherwise the reason why not."""
+    if os.name != "posix" or not sys.platform.startswith("linux"):
+        return False, "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return False, "creating network namespaces needs root (run as root, or use --no-netns)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, "%r not found (install iproute2)" % tool
+    probe = "%sprobe-%d" % (NS_PREFIX, os.getpid())
+    try:
+        _run(["ip", "netns", "add", probe])
+    except RuntimeError as e:
+        return False, "cannot create a network namespace: %s" % e
+    try:
+        _run(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"])
+        _run(["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root"] + tbf_args(10 ** 9))
+    except RuntimeError as e:
+        return False, "veth or tc tbf unavailable: %s" % e
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
+    return True, "ok"
+
+
+def rate_bits(text: str) -> float:
+    """A tc rate ('1gbit', '10gbit', '100mbit', '125mbps') in bits per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", text.strip().lower())
+    if not m:
+        raise ValueError("not a tc rate: %r" % text)
+    value = float(m.group(1)) * 1000 ** " kmgt".index(m.group(2) or " ")
+    return value * (8 if m.group(3) == "bps" else 1)
+
+
+def tbf_args(bits_per_s: float) -> List[str]:
+    """Token bucket for a rate: burst of 1 ms of traffic but at least 4 GSO segments (64 KiB)."""
+    burst = max(4 * 65536, int(bits_per_s / 8 / 1000))
+    return ["tbf", "rate", "%dbit" % int(bits_per_s), "burst", str(burst), "latency", "100ms"]
+
+
+def netem_available() -> bool:
+    """Whether the kernel has sch_netem (needed for --delay only)."""
+    probe = "%snetem-%d" % (NS_PREFIX, os.getpid())
+    try:
+        _run(["ip", "netns", "add", probe])
+        _run(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"])
+        _run(["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "netem", "delay", "1ms"])
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
+
+
+def list_namespaces() -> List[str]:
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def cleanup_stale(force=False) -> List[str]:
+    """Delete this harness's namespaces whose creating process is gone (all with force)."""
+    removed = []
+    for ns in list_namespaces():
+        m = re.match(re.escape(NS_PREFIX) + r"(?:probe-|netem-)?(\d+)", ns)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if not force and pid != os.getpid() and os.path.exists("/proc/%d" % pid):
+            continue
+        _run(["ip", "netns", "del", ns], check=False)
+        removed.append(ns)
+    return removed
+
+
+class NetnsCluster:
+    """Namespaces for the scheduler, servers and workers on one bridge, tc on every link.
+
+    Each node has eth0 with its own address; the other end of its veth sits in a
+    bridge namespace. A tbf qdisc on both ends limits upload and download to
+    --bandwidth; --delay (netem) is added once per direction, on the node's egress.
+    Nothing is created in the caller's namespace. As a context manager teardown always runs.
+    """
+
+    def __init__(self, num_servers: int, num_workers: int, bandwidth: Optional[str],
+                 delay: Optional[str], subnet: str = "10.77.0", tag: str = ""):
+        self.prefix = "%s%d%s" % (NS_PREFIX, os.getpid(), ("-" + tag) if tag else "")
+        self.bridge_ns = self.prefix + "-br"
+        self.bandwidth, self.delay = bandwidth, delay
+        self.nodes = {"scheduler": (self.prefix + "-sched", "%s.1" % subnet)}
+        for i in range(num_servers):
+            self.nodes["server %d" % i] = (self.prefix + "-s%d" % i, "%s.%d" % (subnet, 10 + i))
+        for i in range(num_workers):
+            self.nodes["worker %d" % i] = (self.prefix + "-w%d" % i, "%s.%d" % (subnet, 100 + i))
+        self.created: List[str] = []
+
+    def ns(self, label):
+        return self.nodes[label][0]
+
+    def ip(self, label):
+        return self.nodes[label][1]
+
+    def _shape(self, ns, dev, with_delay):
+        """tbf for the rate; netem (rate and delay) when a delay is asked for."""
+        qdisc = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root"]
+        if self.delay and with_delay:
+            rate = ["rate", self.bandwidth] if self.bandwidth else []
+            _run(qdisc + ["netem", "delay", self.delay] + rate + ["limit", "100000"])
+        elif self.bandwidth:
+            _run(qdisc + tbf_args(rate_bits(self.bandwidth)))
+
+    def up(self):
+        _run(["ip", "netns", "add", self.bridge_ns])
+        self.created.append(self.bridge_ns)
+        _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
+        for k, (label, (ns, addr)) in enumerate(self.nodes.items()):
+            _run(["ip", "netns", "add", ns])
+            self.created.append(ns)
+            port = "v%d" % k
+            _run(["ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer",
+                  "name", NODE_IFACE, "netns", ns])
+            _run(["ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0", "up"])
+            _run(["ip", "-n", ns, "addr", "add", addr + "/24", "dev", NODE_IFACE])
+            _run(["ip", "-n", ns, "link", "set", NODE_IFACE, "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            self._shape(ns, NODE_IFACE, True)               # upload of this node
+            self._shape(self.bridge_ns, port, False)        # download of this node
+        return self
+
+    def down(self):
+        for ns in reversed(self.created):
+            _run(["ip", "netns", "del", ns], check=False)
+        self.created = []
+
+    def __enter__(self):
+        try:
+            return self.up()
+        except BaseException:
+            self.down()
+            raise
+
+    def __exit__(self, *exc):
+        self.down()
+
+
+class NetnsRunner(launch.Runner):
+    """Start a node's command inside its network namespace (`ip netns exec NS ...`)."""
+
+    def start(self, node, command, env, cwd):
+        inner = ["/bin/sh", "-c", command[0]] if len(command) == 1 else list(command)
+        return self.spawn(["ip", "netns", "exec", node] + inner, {**os.environ, **env}, cwd)
+
+
+# ---------------------------------------------------------------- the job on each node
+
+def _netdev(iface: str) -> Optional[Dict[str, int]]:
+    """rx/tx byte counters of `iface` in this process's network namespace."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            for line in f:
+                name, sep, rest = line.partition(":")
+                if sep and name.strip() == iface:
+                    v = rest.split()
+                    return {"rx_bytes": int(v[0]), "tx_bytes": int(v[8])}
+    except OSError:
+        pass
+    return None
+
+
+class _Probe:
+    """Hooks gluon.Trainer.step: timestamps every step, snapshots counters around the window."""
+
+    STAT_KEYS = ("bytes_pushed", "bytes_pulled", "bytes_fp32", "comm_s", "compress_s",
+                 "blocked_s", "transfers", "compressed_transfers")
+
+    def __init__(self, start: int, steps: int, iface: str):
+        self.start, self.steps, self.iface = start, steps, iface
+        self.calls, self.stamps, self.snaps = 0, [], {}
+
+    def snapshot(self, trainer):
+        kv = getattr(trainer, "_kvstore", None)
+        stats = kv.stats() if callable(getattr(kv, "stats", None)) else None
+        t = os.times()
+        return {"time": time.perf_counter(), "net": _netdev(self.iface),
+                "cpu_s": t.user + t.system,
+                "stats": {k: stats.get(k) for k in self.STAT_KEYS} if stats else None}
+
+    def on_step(self, trainer):
+        self.calls += 1
+        self.stamps.append(time.perf_counter())
+        if self.calls == self.start:
+            self.snaps["begin"] = self.snapshot(trainer)
+        elif self.calls == self.start + self.steps:
+            self.snaps["end"] = self.snapshot(trainer)
+
+    def result(self):
+        out = {"window_steps": self.steps, "first_step": self.start, "calls": self.calls,
+               "iface": self.iface, "complete": "begin" in self.snaps and "end" in self.snaps}
+        if not out["complete"]:
+            return out
+        b, e = self.snaps["begin"], self.snaps["end"]
+        n = float(self.steps)
+        lo = self.start - 1
+        gaps = [self.stamps[i + 1] - self.stamps[i] for i in range(lo, lo + self.steps)]
+        out["step_s"] = {"median": statistics.median(gaps), "mean": (e["time"] - b["time"]) / n,
+                         "all": gaps}
+        out["cpu_s_per_step"] = (e["cpu_s"] - b["cpu_s"]) / n
+        if b["net"] and e["net"]:
+            out["wire"] = {k: (e["net"][k] - b["net"][k]) / n for k in ("rx_bytes", "tx_bytes")}
+        if b["stats"] and e["stats"]:
+            out["kv_per_step"] = {k: ((e["stats"][k] or 0) - (b["stats"][k] or 0)) / n
+                                  for k in self.STAT_KEYS}
+        return out
+
+
+def run_job(argv: List[str]) -> int:
+    """`_job PROBE_JSON START STEPS IFACE -- TRAIN_ARGS`: what every node runs."""
+    import mxnet  # noqa: F401  (scheduler and servers run their loop here and exit)
+    from mxnet import gluon
+    probe_path, start, steps, iface = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    train_args = argv[argv.index("--") + 1:]
+    probe = _Probe(start, steps, iface)
+    original = gluon.Trainer.step
+
+    def step(self, *a, **k):
+        probe.on_step(self)
+        return original(self, *a, **k)
+
+    gluon.Trainer.step = step
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("slimgc_train_job", TRAIN)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    result = train.main(train_args)
+    rec = probe.result()
+    rec["rank"] = result.get("rank")
+    rec["launch_index"] = int(os.environ.get("SLIMGC_LAUNCH_INDEX", "0"))
+    rec["final_test_acc"] = result.get("final_test_acc")
+    rec["history"] = result.get("history")
+    stats = result.get("kvstore_stats") or {}
+    rec["cttab"] = stats.get("cttab")
+    rec["comm_threshold_bytes"] = stats.get("comm_threshold_bytes")
+    rec["comm_threshold_phase"] = stats.get("comm_threshold_phase")
+    rec["model"] = result.get("model")
+    tmp = probe_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rec, f, indent=1, default=str)
+    os.replace(tmp, probe_path)
+    return 0
+
+
+# ---------------------------------------------------------------- running one configuration
+
+@contextlib.contextmanager
+def _output_to(path):
+    """Send the launcher's forwarded output (and its log) to a file for the duration."""
+    f = open(path, "w", buffering=1)
+    old = sys.stdout, sys.stderr
+    handler = None
+    import logging
+    handler = logging.StreamHandler(f)
+    handler.setFormatter(logging.Formatter("[launcher] %(levelname)s %(message)s"))
+    logger = logging.getLogger("slimgc_mx.launch")
+    logger.addHandler(handler)
+    logger.propagate = False
+    sys.stdout = sys.stderr = f
+    try:
+        yield f
+    finally:
+        sys.stdout, sys.stderr = old
+        logger.removeHandler(handler)
+        logger.propagate = True
+        f.close()
+
+
+def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
+                command: List[str], comm: bool) -> List[launch.Task]:
+    """The launcher's plan, moved into the namespaces (or left on loopback without cluster)."""
+    if comm:
+        args = launch.parse_args(["-n", str(workers), "-s", str(servers), "--launcher", "local",
+                                  "--"] + command)
+        plan = launch.build_plan(args)
+    else:  # no-comm: just the workers, no scheduler or servers, no DMLC roles
+        plan = [launch.Task("worker", i, None, launch.LocalRunner(),
+                            {"PYTHONUNBUFFERED": "1", "SLIMGC_LAUNCH_INDEX": str(i)})
+                for i in range(workers)]
+    if cluster is None:
+        return plan
+    runner = NetnsRunner()
+    for t in plan:
+        t.node, t.runner = cluster.ns(t.label), runner
+        if comm:
+            t.env.update(DMLC_NODE_HOST=cluster.ip(t.label), DMLC_INTERFACE=NODE_IFACE,
+                         DMLC_PS_ROOT_URI=cluster.ip("scheduler"))
+    return plan
+
+
+def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
+               seed: int = 0) -> dict:
+    """Run one configuration once; returns its summary (also written as NAME.json)."""
+    tag = name if opts.mode == "throughput" else "%s.seed%d" % (name, seed)
+    probe_dir = os.path.join(outdir, tag + ".probe")
+    os.makedirs(probe_dir, exist_ok=True)
+    for f in os.listdir(probe_dir):
+        os.remove(os.path.join(probe_dir, f))
+    train_args = ["--model", opts.model, "--dataset", opts.dataset, "--batch-size",
+                  str(opts.batch_size), "--seed", str(seed), "--no-progress",
+                  "--json", os.path.join(probe_dir, "train.json")] + config_args(name)
+    if opts.mode == "throughput":
+        total = opts.warmup + opts.steps + 1
+        train_args += ["--epochs", "1", "--steps", str(total), "--warmup-steps", str(opts.warmup)]
+        start, window = opts.warmup + 1, opts.steps
+    else:
+        train_args += ["--epochs", str(opts.epochs)]
+        start, window = 1, 1
+    train_args += opts.train_arg
+    iface = NODE_IFACE if cluster is not None else "lo"
+    command = [sys.executable, "-m", "slimgc_mx.bench.cluster", "_job",
+               os.path.join(probe_dir, "worker{idx}.json"), str(start), str(window), iface,
+               "--"] + train_args
+    comm = name != "no-comm"
+    # Each worker writes its own probe file: the launch index is substituted per task.
+    plan = build_tasks(cluster, opts.workers, opts.servers, command, comm)
+    env = {"SLIMGC_WARMUP_STEPS": str(opts.slimgc_warmup)}
+    if opts.threads:
+        env["OMP_NUM_THREADS"] = str(opts.threads)
+    for t in plan:
+        t.env.update(env)
+    cmd_per_task = {}
+    for t in plan:
+        cmd_per_task[id(t)] = [c.replace("{idx}", str(t.index)) for c in command]
+    log_path = os.path.join(outdir, tag + ".log")
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    job = _TaskCommandJob(plan, cmd_per_task, ROOT, linger=opts.linger, kill_grace=3.0)
+    with _output_to(log_path):
+        status = job.run()
+    wall = time.monotonic() - t0
+    summary = summarize(name, opts, probe_dir, status, wall, cluster is not None, seed)
+    # Load average of the machine before and after (1-min): other work on the machine
+    # competes for the same cores and shows up here.
+    summary["loadavg_1min"] = [load_before[0], os.getloadavg()[0]]
+    summary["log"] = os.path.relpath(log_path, outdir)
+    summary["train_command"] = ["python", "scripts/train.py"] + train_args
+    with open(os.path.join(outdir, tag + ".json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    return summary
+
+
+class _TaskCommandJob(launch.Job):
+    """launch.Job with a per-task command (each worker names its own probe file)."""
+
+    def __init__(self, plan, commands, cwd, linger, kill_grace):
+        super().__init__(plan, None, cwd, linger, kill_grace)
+        self.commands = commands
+
+    def _start_all(self):
+        runners = {}
+        for t in self.plan:
+            runners[id(t)] = t.runner
+            t.runner = _Bound(t.runner, self.commands[id(t)])
+        try:
+            super()._start_all()
+        finally:
+            for t in self.plan:
+                t.runner = runners[id(t)]
+
+
+class _Bound(launch.Runner):
+    def __init__(self, runner, command):
+        self.runner, self.command = runner, command
+
+    def start(self, node, command, env, cwd):
+        return self.runner.start(node, self.command, env, cwd)
+
+
+# ---------------------------------------------------------------- summaries
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
+    """Merge the workers' probe files into one record for the configuration."""
+    probes = []
+    for i in range(opts.workers):
+        p = os.path.join(probe_dir, "worker%d.json" % i)
+        if os.path.exists(p):
+            with open(p) as f:
+                probes.append(json.load(f))
+    out = {"config": name, "seed": seed, "status": status, "wall_s": wall,
+           "workers_reported": len(probes), "ok": status == 0 and len(probes) == opts.workers}
+    if not probes:
+        return out
+    root = min(probes, key=lambda p: p.get("rank") or 0)
+    out["model"] = root.get("model")
+    out["final_test_acc"] = {p["launch_index"]: p.get("final_test_acc") for p in probes}
+    out["history"] = root.get("history")
+    if opts.mode != "throughput":
+        return out
+    complete = [p for p in probes if p.get("complete")]
+    steps = [p["step_s"]["median"] for p in complete]
+    step = max(steps) if steps else None  # synchronous: the slowest worker sets the pace
+    out["step_s"] = {"median_per_worker": steps, "median": step,
+                     "mean": _mean([p["step_s"]["mean"] for p in complete])}
+    out["samples_per_s_per_worker"] = opts.batch_size / step if step else None
+    out["samples_per_s_total"] = opts.workers * opts.batch_size / step if step else None
+    out["cpu_s_per_step_per_worker"] = _mean([p.get("cpu_s_per_step") for p in complete])
+    wires = [p["wire"] for p in complete if p.get("wire")]
+    if wires and netns:
+        rx = _mean([w["rx_bytes"] for w in wires])
+        tx = _mean([w["tx_bytes"] for w in wires])
+        out["wire_bytes_per_step_per_worker"] = {"rx": rx, "tx": tx, "total": rx + tx,
+                                                 "source": "interface counters (eth0 of each "
+                                                           "worker namespace, mean over workers)"}
+    kvs = [p["kv_per_step"] for p in complete if p.get("kv_per_step")]
+    if kvs:
+        out["kvstore_per_step_per_worker"] = {k: _mean([kv[k] for kv in kvs])
+                                              for k in _Probe.STAT_KEYS}
+    out["cttab"] = root.get("cttab")
+    out["comm_threshold_bytes"] = root.get("comm_threshold_bytes")
+    out["comm_threshold_phase"] = root.get("comm_threshold_phase")
+    return out
+
+
+def time_composition(rec: dict, compute_s: Optional[float]) -> Optional[dict]:
+    """Split a step (s) into compute / exposed communication+compression / overlap.
+
+    compute: the no-comm step time (capped by the step); exposed = step - compute;
+    comm and compression: per-step kvstore timers (slimgc only; for MXNet's kvstore
+    all of `exposed` is communication); overlap = comm + compression - exposed, >= 0:
+    the communication and compression work hidden behind computation.
+    """
+    step = (rec.get("step_s") or {}).get("median")
+    if not step or compute_s is None:
+        return None
+    compute = min(compute_s, step)
+    exposed = step - compute
+    kv = rec.get("kvstore_per_step_per_worker")
+    if kv:
+        comm, compress = kv["comm_s"], kv["compress_s"]
+    else:
+        comm, compress = exposed, 0.0
+    return {"step": step, "compute": compute, "exposed": exposed, "communication": comm,
+            "compression": compress, "overlap": max(0.0, comm + compress - exposed),
+            "blocked": kv.get("blocked_s") if kv else None}
+
+
+def machine_info() -> dict:
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import mxnet
+        mxv = mxnet.__version__
+    except Exception:  # noqa: BLE001  (information only)
+        mxv = None
+    return {"cpu": model, "logical_cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "memory_bytes": mem, "kernel": platform.release(), "python": platform.python_version(),
+            "mxnet": mxv}
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_args(argv, prog):
+    p = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION + ".",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Configurations: fp32 (MXNet dist_sync), mxnet-2bit (MXNet's 2bit, threshold 0.5, "
+               "push then pull), slimgc-CODEC-{classic,cgopt,offload,full} for CODEC in "
+               "1bit/2bit/4bit (classic: compress all, no offload, no backup; cgopt: + threshold "
+               "table; offload: + CPU codecs; full: + model backup), no-comm (the workers train "
+               "concurrently with --kvstore local).\n\nexamples:\n"
+               "  %(prog)s --model vgg --workers 2 --bandwidth 1gbit --configs fp32,mxnet-2bit,"
+               "slimgc-2bit,no-comm\n"
+               "  %(prog)s --mode accuracy --model cnn1d --dataset mnist1d --workers 4 "
+               "--configs fp32,slimgc-2bit-classic,slimgc-2bit-cgopt,slimgc-2bit-full "
+               "--epochs 10 --seeds 0,1,2 --no-netns\n"
+               "  %(prog)s --cleanup        # delete namespaces left by a killed run")
+    p.add_argument("--mode", choices=("throughput", "accuracy"), default="throughput",
+                   help="throughput: timed steps after a warm-up; accuracy: full epochs, test "
+                        "accuracy per epoch (default: %(default)s)")
+    p.add_argument("--model", default="vgg", help="train.py --model (default: %(default)s)")
+    p.add_argument("--dataset", default="synthetic-cifar",
+                   help="train.py --dataset (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="worker count (default: %(default)s)")
+    p.add_argument("--servers", type=int, default=None, help="server count (default: = workers)")
+    p.add_argument("--bandwidth", default="1gbit",
+                   help="tc rate of every node's link, each direction, e.g. 1gbit, 10gbit, 'none' "
+                        "(default: %(default)s)")
+    p.add_argument("--delay", default=None,
+                   help="extra one-way delay on every node's egress, e.g. 0.1ms (default: none)")
+    p.add_argument("--configs", default="fp32,mxnet-2bit,slimgc-2bit,no-comm",
+                   help="'all' or a comma list; slimgc-CODEC expands to its 4 ablation steps "
+                        "(default: %(default)s)")
+    p.add_argument("--codecs", default="1bit,2bit,4bit",
+                   help="codecs that --configs all covers (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="throughput: timed steps per configuration (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=10,
+                   help="throughput: steps before the timed window; must cover the CTTab "
+                        "warm-up (default: %(default)s)")
+    p.add_argument("--slimgc-warmup", type=int, default=6,
+                   help="SLIMGC_WARMUP_STEPS for slimgc runs (library default 20; fewer keeps "
+                        "runs short) (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=10, help="accuracy: epochs (default: %(default)s)")
+    p.add_argument("--seeds", default="0", help="accuracy: comma list of seeds (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for every process (default: MXNet's own choice)")
+    p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for train.py, repeatable, e.g. --train-arg=--lr-schedule "
+                        "--train-arg=cosine (default: none)")
+    p.add_argument("--out", default=None,
+                   help="result folder (default: results/cluster/MODEL-WORKERSw-BANDWIDTH or "
+                        "results/accuracy/MODEL-WORKERSw)")
+    p.add_argument("--no-netns", action="store_true",
+                   help="run on loopback without namespaces or rate limits (no root needed; "
+                        "bytes are then not measured)")
+    p.add_argument("--linger", type=float, default=10.0,
+                   help="seconds servers may outlive the workers (default: %(default)s)")
+    p.add_argument("--cleanup", action="store_true",
+                   help="delete namespaces left behind by runs that died, then exit")
+    p.add_argument("--force", action="store_true", help="with --cleanup: also those of live runs")
+    opts = p.parse_args(argv)
+    if opts.servers is None:
+        opts.servers = opts.workers
+    if opts.bandwidth.lower() in ("none", "0", ""):
+        opts.bandwidth = None
+    elif not _RATE.match(opts.bandwidth):
+        p.error("--bandwidth %r: expected a tc rate such as 1gbit, 10gbit, 100mbit" % opts.bandwidth)
+    if opts.delay and not _DELAY.match(opts.delay):
+        p.error("--delay %r: expected a time such as 0.1ms, 100us" % opts.delay)
+    if opts.steps < 1 or opts.warmup < 0 or opts.workers < 1:
+        p.error("need --steps >= 1, --warmup >= 0, --workers >= 1")
+    codecs = [c for c in opts.codecs.split(",") if c]
+    try:
+        opts.config_list = parse_configs(opts.configs, codecs)
+    except ValueError as e:
+        p.error(str(e))
+    if (opts.mode == "throughput" and any(c.startswith("slimgc") for c in opts.config_list)
+            and opts.warmup < opts.slimgc_warmup + 2):
+        p.error("--warmup must be at least --slimgc-warmup + 2 so the window starts after the "
+                "threshold table is built")
+    opts.seed_list = [int(s) for s in opts.seeds.split(",") if s.strip()]
+    if opts.out is None:
+        bw = opts.bandwidth or "unlimited"
+        opts.out = (os.path.join("results", "cluster", "%s-%dw-%s" % (opts.model, opts.workers, bw))
+                    if opts.mode == "throughput"
+                    else os.path.join("results", "accuracy", "%s-%dw" % (opts.model, opts.workers)))
+    return opts
+
+
+def _fmt(x, spec="%.1f"):
+    return "-" if x is None else spec % x
+
+
+def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "_job":
+        return run_job(argv[1:])
+    opts = parse_args(argv, prog)
+    if opts.cleanup:
+        ok, why = netns_available()
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            print("cleanup: nothing to do (%s)" % why)
+            return 0
+        removed = cleanup_stale(force=opts.force)
+        print("cleanup: removed %d namespace(s)%s" % (len(removed),
+                                                     (": " + ", ".join(removed)) if removed else ""))
+        return 0
+    os.makedirs(opts.out, exist_ok=True)
+    netns_note = None
+    use_netns = not opts.no_netns
+    if use_netns:
+        ok, why = netns_available()
+        if not ok:
+            use_netns = False
+            netns_note = ("no emulated network: %s. Fell back to loopback without rate limits; "
+                          "bytes on the wire are not measured." % why)
+            print("WARNING: " + netns_note, file=sys.stderr)
+    else:
+        netns_note = "--no-netns: loopback, no rate limit, bytes on the wire not measured"
+    if use_netns and opts.delay and not netem_available():
+        print("error: --delay needs the kernel's netem qdisc, which this kernel lacks "
+              "(tc qdisc add ... netem: unknown kind); run without --delay", file=sys.stderr)
+        return 2
+    header = {"command": [prog] + argv, "mode": opts.mode, "model": opts.model,
+              "dataset": opts.dataset, "workers": opts.workers, "servers": opts.servers,
+              "bandwidth": opts.bandwidth if use_netns else None,
+              "delay": opts.delay if use_netns else None, "netns": use_netns, "note": netns_note,
+              "steps": opts.steps, "warmup": opts.warmup, "slimgc_warmup_steps": opts.slimgc_warmup,
+              "batch_size": opts.batch_size, "threads": opts.threads,
+              "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print("cluster bench: %s on %s, %d workers + %d servers, %s -> %s"
+          % (opts.model, opts.dataset, opts.workers, opts.servers,
+             ("netns, %s%s" % (opts.bandwidth or "unlimited",
+                               ", delay %s" % opts.delay if opts.delay else ""))
+             if use_netns else "loopback", opts.out), flush=True)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    results = []
+    status = 0
+    try:
+        cluster = None
+        with contextlib.ExitStack() as stack:
+            if use_netns:
+                cluster = stack.enter_context(NetnsCluster(
+                    opts.servers, opts.workers, opts.bandwidth, opts.delay))
+            seeds = opts.seed_list if opts.mode == "accuracy" else [0]
+            runs = [(c, s) for s in seeds for c in opts.config_list]
+            for k, (name, seed) in enumerate(runs, 1):
+                label = name if opts.mode == "throughput" else "%s seed %d" % (name, seed)
+                print("[%d/%d] %s ..." % (k, len(runs), label), end=" ", flush=True)
+                rec = run_config(name, opts, cluster, opts.out, seed)
+                results.append(rec)
+                if rec.get("status", 0) >= 128:  # the job was interrupted: stop here
+                    raise KeyboardInterrupt
+                if not rec["ok"]:
+                    status = 1
+                    print("FAILED (exit %s; see %s)" % (rec["status"], rec["log"]), flush=True)
+                elif opts.mode == "throughput":
+                    wire = (rec.get("wire_bytes_per_step_per_worker") or {}).get("total")
+                    print("%s samples/s/worker, step %s s, %s MB/step/worker, %.0f s"
+                          % (_fmt(rec["samples_per_s_per_worker"]),
+                             _fmt(rec["step_s"]["median"], "%.3f"),
+                             _fmt(wire / 1e6 if wire is not None else None, "%.2f"),
+                             rec["wall_s"]), flush=True)
+                else:
+                    accs = list(rec["final_test_acc"].values())
+                    print("final acc %s, %.0f s" % (_fmt(_mean(accs), "%.4f"), rec["wall_s"]),
+                          flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted; namespaces removed", file=sys.stderr)
+        status = 130
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        summary = dict(header, finished=time.strftime("%Y-%m-%d %H:%M:%S"), results=results)
+        if opts.mode == "throughput":
+            add_derived(summary)
+        with open(os.path.join(opts.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+        print("wrote %s" % os.path.join(opts.out, "summary.json"), flush=True)
+    if opts.mode == "throughput" and results:
+        print(format_table(summary))
+    return status
+
+
+def add_derived(summary: dict):
+    """Ratios to mxnet-2bit / fp32 / no-comm and the time composition, in place."""
+    by = {r["config"]: r for r in summary["results"] if r.get("ok")}
+
+    def thr(name):
+        return (by.get(name) or {}).get("samples_per_s_per_worker")
+
+    compute = ((by.get("no-comm") or {}).get("step_s") or {}).get("median")
+    for r in summary["results"]:
+        if not r.get("ok"):
+            continue
+        s = r.get("samples_per_s_per_worker")
+        r["vs"] = {b: (s / thr(b) if s and thr(b) else None) for b in ("mxnet-2bit", "fp32", "no-comm")}
+        r["time_composition_s"] = time_composition(r, compute)
+
+
+def format_table(summary: dict) -> str:
+    lines = ["%-22s %10s %8s %8s %8s %12s %8s" % ("config", "samples/s", "xmx2bit", "xfp32",
+                                                  "xnocomm", "MB/step/wkr", "CT")]
+    for r in summary["results"]:
+        if not r.get("ok"):
+            lines.append("%-22s FAILED" % r["config"])
+            continue
+        vs = r.get("vs") or {}
+        wire = (r.get("wire_bytes_per_step_per_worker") or {}).get("total")
+        ct = r.get("comm_threshold_bytes")
+        lines.append("%-22s %10s %8s %8s %8s %12s %8s" % (
+            r["config"], _fmt(r.get("samples_per_s_per_worker")), _fmt(vs.get("mxnet-2bit"), "%.2f"),
+            _fmt(vs.get("fp32"), "%.2f"), _fmt(vs.get("no-comm"), "%.2f"),
+            _fmt(wire / 1e6 if wire is not None else None, "%.2f"),
+            "-" if ct is None else str(ct)))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
