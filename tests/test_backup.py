@@ -1,0 +1,113 @@
+"""ModelBackup: each transition of the loc_buf / glo_buf state machine, and the local updater."""
+import threading
+import time
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from slimgc_mx.backup import BackupTimeout, LocalUpdater, ModelBackup, clone_optimizer
+from slimgc_mx.pipeline import PipelineError
+
+
+def _backup(enabled=True, timeout=5.0):
+    b = ModelBackup(enabled, timeout)
+    b.add("w", mx.nd.array([1.0, 2.0, 3.0]))
+    return b
+
+
+def _sub(delta):
+    def update(glo):
+        glo[:] = glo - delta
+    return update
+
+
+def test_local_step_writes_loc_buf_and_sets_the_flag():
+    b = _backup()
+    loc = [mx.nd.zeros(3), mx.nd.zeros(3)]
+    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, w: w.__isub__(0.5 * g))
+    for arr in loc:
+        np.testing.assert_allclose(arr.asnumpy(), [0.5, 1.5, 2.5])
+    assert b._slots["w"].flag == 1
+    np.testing.assert_allclose(b.glo_buf("w").asnumpy(), [1.0, 2.0, 3.0])  # glo untouched
+
+
+def test_publish_waits_for_the_flag_then_clears_it():
+    b = _backup()
+    done = threading.Event()
+
+    def aggregation_thread():
+        b.publish("w", 0, _sub(1.0), local_step_done=True)
+        done.set()
+
+    threading.Thread(target=aggregation_thread, daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set() and b.version("w") == 0  # glo_buf not overwritten before the flag
+    b.local_step("w", 0, mx.nd.zeros(3), [mx.nd.zeros(3)], lambda g, w: None)
+    assert done.wait(5)
+    assert b.version("w") == 1 and b._slots["w"].flag == 0
+    np.testing.assert_allclose(b.glo_buf("w").asnumpy(), [0.0, 1.0, 2.0])
+
+
+def test_backup_off_publishes_without_a_flag_and_write_back_waits():
+    b = _backup(enabled=False)
+    out = [mx.nd.zeros(3)]
+    threading.Timer(0.1, lambda: b.publish("w", 0, _sub(1.0), local_step_done=False)).start()
+    b.write_back("w", 1, out)
+    np.testing.assert_allclose(out[0].asnumpy(), [0.0, 1.0, 2.0])
+    assert b.blocked_s > 0
+
+
+def test_wait_times_out_with_the_key_and_step():
+    b = _backup(timeout=0.2)
+    with pytest.raises(BackupTimeout, match="key 'w': global weights of step 1"):
+        b.wait_version("w", 1)
+
+
+def test_fail_wakes_waiters_with_the_cause():
+    b = _backup()
+    threading.Timer(0.1, lambda: b.fail(OSError("link down"), "key 'w', step 0")).start()
+    with pytest.raises(PipelineError, match="key 'w', step 0") as info:
+        b.wait_version("w", 1)
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_flush_and_state_round_trip():
+    b = _backup()
+    loc = [mx.nd.zeros(3)]
+    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, w: w.__isub__(g))
+    b.publish("w", 0, _sub(2.0), local_step_done=True)
+    b.flush()
+    np.testing.assert_allclose(loc[0].asnumpy(), [-1.0, 0.0, 1.0])
+    state = b.state_dict()
+    other = _backup()
+    other.load_state_dict(state)
+    assert other.version("w") == 1
+    np.testing.assert_array_equal(other.glo_buf("w").asnumpy(), b.glo_buf("w").asnumpy())
+
+
+def test_local_updater_follows_the_global_lr_unless_loc_lr_is_set():
+    opt = mx.optimizer.SGD(learning_rate=0.1, rescale_grad=0.5)
+    w = mx.nd.ones(2)
+    LocalUpdater(opt, num_workers=2)(0, mx.nd.ones(2), w)
+    np.testing.assert_allclose(w.asnumpy(), 1 - 0.1 * 0.5 * 2)  # gradient scaled by N
+    opt.lr = 0.2  # e.g. Trainer.set_learning_rate
+    w = mx.nd.ones(2)
+    LocalUpdater(opt, num_workers=1)(0, mx.nd.ones(2), w)
+    np.testing.assert_allclose(w.asnumpy(), 1 - 0.2 * 0.5)
+    w = mx.nd.ones(2)
+    LocalUpdater(opt, num_workers=1, loc_lr=0.01)(0, mx.nd.ones(2), w)
+    np.testing.assert_allclose(w.asnumpy(), 1 - 0.01 * 0.5, rtol=1e-6)
+    w = mx.nd.ones(2)
+    LocalUpdater(opt, num_workers=1, loc_optimizer="sgd", loc_lr=1.0)(0, mx.nd.ones(2), w)
+    np.testing.assert_allclose(w.asnumpy(), 1 - 1.0 * 0.5, rtol=1e-6)
+
+
+def test_clone_optimizer_has_its_own_counters():
+    opt = mx.optimizer.SGD(learning_rate=0.1)
+    opt._update_count(3)
+    twin = clone_optimizer(opt)
+    twin._update_count(3)
+    twin.lr = 7.0
+    assert opt._index_update_count[3] == 1 and twin._index_update_count[3] == 2
+    assert opt.lr == 0.1
