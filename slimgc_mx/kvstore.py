@@ -45,7 +45,8 @@ class SlimGC(KVStoreBase):
         self._pipeline = None
         self._backup = None
         self._cttab = None
-        self._bytes = {"pushed": 0, "pulled": 0, "fp32": 0, "comm_s": 0.0, "compress_s": 0.0,
+        self._codec = None  # the prototype codec; each key gets a clone
+        self._counters = {"pushed": 0, "pulled": 0, "fp32": 0, "comm_s": 0.0, "compress_s": 0.0,
                        "transfers": 0, "compressed_transfers": 0}
         _LIVE.add(self)
 
@@ -132,9 +133,9 @@ class SlimGC(KVStoreBase):
         if codec is not None and not self.config.offload:
             from .device import DeviceCodec
             b.device = DeviceCodec(codec)
-        for buf in (b.grad_buf, b.bit_send):
-            if buf is not None:
-                self._transport.declare(b.fp_key if buf is b.grad_buf else b.bit_key, buf)
+        self._transport.declare(b.fp_key, b.grad_buf)
+        if b.bit_send is not None:
+            self._transport.declare(b.bit_key, b.bit_send)
         self._keys[key] = b
         self._steps[key] = 0
         return b
@@ -243,13 +244,13 @@ class SlimGC(KVStoreBase):
         b = job.buffers
         key, opt_settings, local = job.context
         send = b.bit_send if job.compressed else b.grad_buf
-        self._bytes["pushed"] += send.nbytes
-        self._bytes["pulled"] += send.nbytes
-        self._bytes["fp32"] += b.nbytes
-        self._bytes["comm_s"] += job.t_comm
-        self._bytes["compress_s"] += job.t_proc
-        self._bytes["transfers"] += 1
-        self._bytes["compressed_transfers"] += int(job.compressed)
+        self._counters["pushed"] += send.nbytes
+        self._counters["pulled"] += send.nbytes
+        self._counters["fp32"] += b.nbytes
+        self._counters["comm_s"] += job.t_comm
+        self._counters["compress_s"] += job.t_proc
+        self._counters["transfers"] += 1
+        self._counters["compressed_transfers"] += int(job.compressed)
         self._cttab.record(key, b.nbytes, job.compressed, job.t_comm, job.t_proc)
         if opt_settings is None:
             self._backup.publish(key, job.step, lambda glo: None, local)
@@ -326,7 +327,7 @@ class SlimGC(KVStoreBase):
             "keys": keys,
             "backup": self._backup.state_dict(),
             "cttab": self._cttab.state_dict(),
-            "bytes": dict(self._bytes),
+            "counters": dict(self._counters),
         }
         with open(fname, "wb") as f:
             pickle.dump(state, f)
@@ -366,7 +367,7 @@ class SlimGC(KVStoreBase):
                 b.codec.load_state_dict(ks["codec"])
         self._backup.load_state_dict(state["backup"])
         self._cttab.load_state_dict(state["cttab"])
-        self._bytes.update(state["bytes"])
+        self._counters.update(state["counters"])
 
     @property
     def _updater(self):
@@ -382,7 +383,7 @@ class SlimGC(KVStoreBase):
         for global weights (the communication that was not hidden).
         """
         best = self._cttab.best_ct if self._cttab is not None else None
-        c = self._bytes
+        c = self._counters
         return {
             "compressor": self.config.compressor,
             "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
