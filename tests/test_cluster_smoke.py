@@ -30,10 +30,12 @@ def test_config_names_map_to_train_options():
 
 def test_time_composition_adds_up():
     rec = {"step_s": {"median": 1.0},
-           "kvstore_per_step_per_worker": {"comm_s": 0.5, "compress_s": 0.25, "blocked_s": 0.1}}
-    tc = cluster.time_composition(rec, 0.75)
+           "wire_bytes_per_step_per_worker": {"tx": 50e6, "rx": 25e6, "total": 75e6},
+           "kvstore_per_step_per_worker": {"comm_s": 3.0, "compress_s": 0.25, "blocked_s": 0.1}}
+    tc = cluster.time_composition(rec, 0.75, 1e9)
     assert tc["compute"] + tc["exposed"] == pytest.approx(1.0)
-    assert tc["overlap"] == pytest.approx(0.5)  # 0.75 of comm+compression, 0.25 exposed
+    assert tc["wire"] == pytest.approx(0.4)  # 50 MB at 1 Gbit/s
+    assert tc["overlap"] == pytest.approx(0.4)  # 0.4 + 0.25 of work, 0.25 of it exposed
 
 
 def _skip_reason():

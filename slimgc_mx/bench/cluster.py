@@ -517,27 +517,29 @@ def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
     return out
 
 
-def time_composition(rec: dict, compute_s: Optional[float]) -> Optional[dict]:
-    """Split a step (s) into compute / exposed communication+compression / overlap.
+def time_composition(rec: dict, compute_s: Optional[float],
+                     bits_per_s: Optional[float]) -> Optional[dict]:
+    """Split a step (s) into compute / exposed, and the communication work that was hidden.
 
     compute: the no-comm step time (capped by the step); exposed = step - compute;
-    comm and compression: per-step kvstore timers (slimgc only; for MXNet's kvstore
-    all of `exposed` is communication); overlap = comm + compression - exposed, >= 0:
-    the communication and compression work hidden behind computation.
+    wire: the time the measured bytes need at line rate (larger direction / bandwidth);
+    compression: the kvstore's encode+decode time per step (0 for MXNet's kvstore);
+    overlap = wire + compression - exposed, >= 0: work that did not lengthen the step;
+    blocked: time the training thread waited for global weights (slimgc only).
     """
     step = (rec.get("step_s") or {}).get("median")
     if not step or compute_s is None:
         return None
     compute = min(compute_s, step)
     exposed = step - compute
-    kv = rec.get("kvstore_per_step_per_worker")
-    if kv:
-        comm, compress = kv["comm_s"], kv["compress_s"]
-    else:
-        comm, compress = exposed, 0.0
-    return {"step": step, "compute": compute, "exposed": exposed, "communication": comm,
-            "compression": compress, "overlap": max(0.0, comm + compress - exposed),
-            "blocked": kv.get("blocked_s") if kv else None}
+    kv = rec.get("kvstore_per_step_per_worker") or {}
+    w = rec.get("wire_bytes_per_step_per_worker")
+    wire_t = max(w["tx"], w["rx"]) * 8 / bits_per_s if w and bits_per_s else None
+    compress = kv.get("compress_s") or 0.0
+    overlap = max(0.0, (wire_t or 0.0) + compress - exposed) if wire_t is not None else None
+    return {"step": step, "compute": compute, "exposed": exposed, "wire": wire_t,
+            "compression": compress, "overlap": overlap, "blocked": kv.get("blocked_s"),
+            "comm_timers_sum": kv.get("comm_s")}
 
 
 def machine_info() -> dict:
@@ -769,7 +771,8 @@ def add_derived(summary: dict):
             continue
         s = r.get("samples_per_s_per_worker")
         r["vs"] = {b: (s / thr(b) if s and thr(b) else None) for b in ("mxnet-2bit", "fp32", "no-comm")}
-        r["time_composition_s"] = time_composition(r, compute)
+        bw = summary.get("bandwidth")
+        r["time_composition_s"] = time_composition(r, compute, rate_bits(bw) if bw else None)
 
 
 def format_table(summary: dict) -> str:
