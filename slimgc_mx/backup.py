@@ -41,6 +41,7 @@ class ModelBackup:
         self._error = None
         self._error_where = None
         self.blocked_s = 0.0  # training-thread time spent waiting for global weights
+        self.failed = False  # a wait raised: an aggregation failed or never completed
 
     def add(self, key, weight):
         """Register `key` with initial global weights (copied to a CPU, default-layout glo_buf)."""
@@ -99,6 +100,8 @@ class ModelBackup:
             ok = self._cond.wait_for(lambda: slot.version >= version or self._error is not None,
                                      self.timeout)
             self.blocked_s += time.perf_counter() - start
+            if self._error is not None or not ok:
+                self.failed = True
             if self._error is not None:
                 from .pipeline import PipelineError
                 raise PipelineError("aggregation failed in a background thread (%s): %s"

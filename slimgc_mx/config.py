@@ -6,6 +6,7 @@ Trainer's `compression_params`. The environment is read here and nowhere else.
 import dataclasses
 import math
 import os
+import threading
 from typing import Optional, Union
 
 from . import codecs
@@ -92,8 +93,10 @@ class SlimGCConfig:
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
                                              or self.num_threads < 1):
             raise ValueError("num_threads must be an integer >= 1, got %r" % (self.num_threads,))
-        if not (self.timeout > 0):
-            raise ValueError("timeout must be positive seconds, got %r" % (self.timeout,))
+        if not (0 < self.timeout <= threading.TIMEOUT_MAX):
+            raise ValueError("timeout must be positive seconds no larger than %.3g, got %r "
+                             "(for a very long wait give e.g. 86400)"
+                             % (threading.TIMEOUT_MAX, self.timeout))
         if not isinstance(self.audit_every, int) or self.audit_every < 0:
             raise ValueError("audit_every must be an integer >= 0, got %r" % (self.audit_every,))
 

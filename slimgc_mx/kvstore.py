@@ -8,7 +8,9 @@ weights bit for bit.
 """
 import atexit
 import logging
+import os
 import pickle
+import sys
 import weakref
 
 import mxnet as mx
@@ -403,14 +405,28 @@ class SlimGC(KVStoreBase):
     def cttab(self):
         return self._cttab
 
+    @property
+    def broken(self):
+        """True once an aggregation failed or timed out: peers may be gone or out of step."""
+        pipeline, backup = self._pipeline, self._backup
+        return bool(pipeline is not None and (pipeline.error is not None or pipeline.timed_out)
+                    or backup is not None and backup.failed)
+
     def close(self):
-        """Stop the pipeline threads and release the transport (idempotent)."""
+        """Stop the pipeline threads and release the transport; returns `broken`.
+
+        A broken store keeps its transport: releasing MXNet's dist kvstore waits
+        for every peer, forever if one is dead (see _close_all).
+        """
+        broken = self.broken
+        if self not in _LIVE:
+            return broken
         _LIVE.discard(self)
         if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
-        if self._transport is not None:
+            self._pipeline.close(join=not broken)
+        if self._transport is not None and not broken:
             self._transport.close()
+        return broken
 
 
 CHECKPOINT_FORMAT = "slimgc-checkpoint-1"
@@ -430,9 +446,19 @@ class _UpdaterView:
 
 @atexit.register
 def _close_all():
-    """Join the background threads before MXNet's engine shuts down at exit."""
-    for kv in list(_LIVE):
-        kv.close()
+    """At exit: join the background threads before MXNet's engine shuts down.
+
+    After a failed aggregation in a distributed job MXNet's own shutdown (kvstore
+    finalize, engine wait) would block forever on the lost peer, so the process
+    leaves with status 1 instead, before MXNet's exit handler runs.
+    """
+    stranded = [kv.close() and kv._transport.kind == "dist_sync" for kv in list(_LIVE)]
+    if any(stranded):
+        sys.stderr.write("slimgc: an aggregation failed; exiting without MXNet's kvstore "
+                         "shutdown, which would wait forever for the lost peer\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _as_list(x):

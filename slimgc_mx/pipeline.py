@@ -105,6 +105,7 @@ class Pipeline:
         self._finish = finish
         self._on_error = on_error
         self.error = None
+        self.timed_out = False
         self._pending = 0
         self._idle = threading.Condition()
         self._queues = [queue.Queue(), queue.Queue(), queue.Queue()]
@@ -134,15 +135,18 @@ class Pipeline:
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0 or self.error is not None,
                                        timeout):
+                self.timed_out = True
                 raise TimeoutError("the aggregation pipeline did not drain in %.0f s: a worker "
                                    "or server may have died" % timeout)
         if self.error is not None:
             raise PipelineError("the aggregation pipeline failed") from self.error
 
-    def close(self):
+    def close(self, join=True):
+        """Stop the threads; join=False leaves threads stuck on a dead peer behind."""
         self._queues[0].put(None)
-        for t in self._threads:
-            t.join(timeout=5)
+        if join:
+            for t in self._threads:
+                t.join(timeout=5)
 
     def _run(self, fn, inbox, outbox):
         while True:
