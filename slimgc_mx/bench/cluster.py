@@ -490,6 +490,9 @@ def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
     out["model"] = root.get("model")
     out["final_test_acc"] = {p["launch_index"]: p.get("final_test_acc") for p in probes}
     out["history"] = root.get("history")
+    out["cttab"] = root.get("cttab")
+    out["comm_threshold_bytes"] = root.get("comm_threshold_bytes")
+    out["comm_threshold_phase"] = root.get("comm_threshold_phase")
     if opts.mode != "throughput":
         return out
     complete = [p for p in probes if p.get("complete")]
@@ -511,9 +514,6 @@ def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
     if kvs:
         out["kvstore_per_step_per_worker"] = {k: _mean([kv[k] for kv in kvs])
                                               for k in _Probe.STAT_KEYS}
-    out["cttab"] = root.get("cttab")
-    out["comm_threshold_bytes"] = root.get("comm_threshold_bytes")
-    out["comm_threshold_phase"] = root.get("comm_threshold_phase")
     return out
 
 
