@@ -21,7 +21,7 @@ class SlimGCConfig:
     """Options of the SlimGC kvstore (see docs/configuration.md).
 
     compressor      codec name: none, 1bit, 2bit, 4bit
-    threshold       the codec's threshold (2bit: t; 1bit: unused unless > 0 fixes the scale)
+    threshold       the codec's threshold (2bit: t; 1bit and 4bit validate it but do not use it)
     comm_threshold  'auto' (warm-up builds the CTTab), a size in bytes (tensors of at least
                     that many bytes are compressed), or 'off' (compress every tensor)
     warmup_steps    warm-up steps of the CTTab (alternating compressed / full precision)
