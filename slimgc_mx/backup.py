@@ -155,20 +155,25 @@ def clone_optimizer(opt):
 
 
 class LocalUpdater:
-    """The local update of the backup: the global optimizer's rule with loc_lr / loc_optimizer.
+    """The local update of the backup: one step of the global optimizer from glo_buf.
 
-    The local gradient stands in for the sum over workers, so it is scaled by
-    num_workers: with one worker the local step equals the global one.
+    By default it applies the global optimizer's rule with a copy of the global
+    optimizer state (e.g. momentum) as it stands after w_i, and the local gradient
+    scaled by num_workers in place of the sum over workers: the best local guess of
+    w_{i+1}, exact when every worker's gradient is the same (always with one
+    worker). It keeps no recursion of its own, so it is as stable as the global
+    optimizer. `loc_optimizer` (a name) instead runs that optimizer with its own
+    state; `loc_lr` replaces the learning rate.
     """
 
-    def __init__(self, global_optimizer, num_workers, loc_lr=None, loc_optimizer=None):
+    def __init__(self, global_optimizer, num_workers, loc_lr=None, loc_optimizer=None,
+                 global_updater=None):
         self._global = global_optimizer
         self._num_workers = num_workers
         self._loc_lr = loc_lr
+        self._global_updater = global_updater if loc_optimizer is None else None
         if loc_optimizer is None:
             opt = clone_optimizer(global_optimizer)
-            opt._all_index_update_counts = {0: {}}
-            opt._index_update_count = opt._all_index_update_counts[0]
         else:
             opt = mx.optimizer.create(loc_optimizer, learning_rate=global_optimizer.lr,
                                       wd=global_optimizer.wd,
@@ -180,4 +185,23 @@ class LocalUpdater:
         opt = self.optimizer
         opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
         opt.rescale_grad = self._global.rescale_grad * self._num_workers
+        source = self._global_updater
+        if source is not None:
+            glo_opt = source.optimizer
+            opt._index_update_count[index] = glo_opt._index_update_count.get(
+                index, glo_opt.begin_num_update)
+            if index in source.states:
+                self._updater.states[index] = _copy_state(source.states[index])
+                self._updater.states_synced[index] = True
+            else:
+                self._updater.states.pop(index, None)
         self._updater(index, grad, weight)
+
+
+def _copy_state(state):
+    """A copy of an optimizer state: NDArrays copied (engine ops), nesting kept."""
+    if isinstance(state, mx.nd.NDArray):
+        return state.copy()
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copy_state(s) for s in state)
+    return state

@@ -51,6 +51,7 @@ class SlimGC(KVStoreBase):
         self._counters = {"pushed": 0, "pulled": 0, "fp32": 0, "comm_s": 0.0, "compress_s": 0.0,
                        "transfers": 0, "compressed_transfers": 0}
         _LIVE.add(self)
+        _ALL.add(self)
 
     # -- KVStoreBase properties ------------------------------------------------------------
     @property
@@ -235,7 +236,7 @@ class SlimGC(KVStoreBase):
         if self._local_updater is None:
             cfg = self.config
             self._local_updater = LocalUpdater(self._optimizer, self.num_workers,
-                                               cfg.loc_lr, cfg.loc_optimizer)
+                                               cfg.loc_lr, cfg.loc_optimizer, self._glo_updater)
         return self._local_updater
 
     def _local_update(self, index, grad, weight):
@@ -413,24 +414,25 @@ class SlimGC(KVStoreBase):
                     or backup is not None and backup.failed)
 
     def close(self):
-        """Stop the pipeline threads and release the transport; returns `broken`.
+        """Stop the pipeline threads and release the transport; False if that is stuck.
 
         A broken store keeps its transport: releasing MXNet's dist kvstore waits
         for every peer, forever if one is dead (see _close_all).
         """
-        broken = self.broken
         if self not in _LIVE:
-            return broken
+            return True
         _LIVE.discard(self)
+        broken = self.broken
         if self._pipeline is not None:
             self._pipeline.close(join=not broken)
-        if self._transport is not None and not broken:
-            self._transport.close()
-        return broken
+        if broken:
+            return self._transport.kind != "dist_sync"
+        return self._transport is None or self._transport.close(SHUTDOWN_TIMEOUT)
 
 
 CHECKPOINT_FORMAT = "slimgc-checkpoint-1"
-_LIVE = weakref.WeakSet()
+_LIVE = weakref.WeakSet()  # stores not closed yet
+_ALL = weakref.WeakSet()
 
 
 class _UpdaterView:
@@ -444,21 +446,38 @@ class _UpdaterView:
         return self._kv._optimizer
 
 
+SHUTDOWN_TIMEOUT = 30.0  # seconds MXNet's dist kvstore finalize may take at exit
+_uncaught = []
+
+
+def _record_uncaught(exc_type, exc, tb, _previous=sys.excepthook):
+    _uncaught.append(exc_type)
+    _previous(exc_type, exc, tb)
+
+
+sys.excepthook = _record_uncaught
+
+
 @atexit.register
 def _close_all():
-    """At exit: join the background threads before MXNet's engine shuts down.
+    """At exit: join the background threads, finalize MXNet's kvstore, never hang.
 
     After a failed aggregation in a distributed job MXNet's own shutdown (kvstore
-    finalize, engine wait) would block forever on the lost peer, so the process
-    leaves with status 1 instead, before MXNet's exit handler runs.
+    finalize, engine wait) would block forever on the lost peer; a finalize can
+    also stall on its own. In both cases the process leaves with os._exit, status
+    1 after a failure or an uncaught exception, else 0, before MXNet's exit handler.
     """
-    stranded = [kv.close() and kv._transport.kind == "dist_sync" for kv in list(_LIVE)]
-    if any(stranded):
-        sys.stderr.write("slimgc: an aggregation failed; exiting without MXNet's kvstore "
-                         "shutdown, which would wait forever for the lost peer\n")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    closed = [kv.close() for kv in list(_LIVE)]
+    if all(closed):
+        return
+    failed = any(kv.broken for kv in _ALL) or bool(_uncaught)
+    sys.stderr.write("slimgc: %s; exiting without MXNet's kvstore shutdown, which would wait "
+                     "forever\n" % ("an aggregation failed" if failed else
+                                    "the kvstore finalize did not finish in %.0f s"
+                                    % SHUTDOWN_TIMEOUT))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
 
 
 def _as_list(x):

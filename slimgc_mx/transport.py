@@ -157,8 +157,9 @@ class Transport:
         """Every worker's float64 vector, stacked as (num_workers, len) (collective)."""
         raise NotImplementedError
 
-    def close(self):
-        pass
+    def close(self, timeout=None):
+        """Release the transport; returns False if that did not finish within `timeout`."""
+        return True
 
 
 class LocalTransport(Transport):
@@ -227,10 +228,24 @@ class DistTransport(Transport):
         _wait_nd(recv, self.timeout)
         return recv.asnumpy()
 
-    def close(self):
-        """Finalize MXNet's kvstore while the interpreter is fully alive (collective)."""
-        if self._kv is not None:
-            self._kv = None
+    def close(self, timeout=None):
+        """Finalize MXNet's kvstore (a barrier with every node); False if not done in `timeout`.
+
+        The release runs on a helper thread so that a finalize that never returns (a
+        lost peer, or a transfer left pending) cannot hold the process forever.
+        """
+        if self._kv is None:
+            return True
+        holder = [self._kv]
+        self._kv = None
+        done = threading.Event()
+
+        def release():
+            holder.pop()  # the last reference: MXNet's kvstore destructor runs here
+            done.set()
+
+        threading.Thread(target=release, name="slimgc-finalize", daemon=True).start()
+        return done.wait(timeout)
 
 
 class ThreadGroup:
