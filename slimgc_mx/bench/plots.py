@@ -39,6 +39,22 @@ def load(path):
     return summary
 
 
+def _save(fig, path):
+    """Lay out, write the PNG and free the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
+
+def _label_configs(ax, rows, summary, ylabel):
+    """Configuration names under the bars, the y label, the title and the legend."""
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["config"] for r in rows], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(_title(summary), fontsize=9)
+    ax.legend(fontsize=7)
+
+
 def _ok(summary):
     return [r for r in summary["results"] if r.get("ok")]
 
@@ -63,9 +79,7 @@ def throughput(summary, path):
     ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("throughput / mxnet-2bit")
     ax.set_title(_title(summary) + "\n(label: samples/s per worker)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -91,14 +105,8 @@ def time_split(summary, path):
         if t["overlap"]:
             ax.text(i + w / 2, wt + t["compression"], "hidden %.2f" % t["overlap"],
                     ha="center", va="bottom", fontsize=6)
-    ax.set_xticks(list(x))
-    ax.set_xticklabels([r["config"] for r in rows], rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("seconds per step")
-    ax.set_title(_title(summary), fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _label_configs(ax, rows, summary, "seconds per step")
+    _save(fig, path)
     return True
 
 
@@ -115,14 +123,8 @@ def wire(summary, path):
     ax.bar(range(len(rows)), tx, label="sent (tx)", color="#2f855a")
     ax.bar(range(len(rows)), rx, bottom=tx, label="received (rx)", color="#9ae6b4")
     ax.set_yscale("log")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([r["config"] for r in rows], rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("MB per step per worker (log)")
-    ax.set_title(_title(summary), fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _label_configs(ax, rows, summary, "MB per step per worker (log)")
+    _save(fig, path)
     return True
 
 
@@ -151,9 +153,7 @@ def cttab(summary, path, config=None):
     ax.set_ylabel("ms per transfer (median over warm-up)")
     ax.set_title("CTTab, %s: %s" % (r["config"], _title(summary)), fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
