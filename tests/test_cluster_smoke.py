@@ -64,11 +64,12 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
     assert summary["netns"] is True and summary["bandwidth"] == "100mbit"
     by = {r["config"]: r for r in summary["results"]}
     assert all(r["ok"] for r in by.values()), by
-    # Bytes come from the interfaces: fp32 moves at least the gradient up and the weights
-    # down (78,858 float32 each way for the MLP); SlimGC 2bit moves clearly less.
+    # Bytes come from the interfaces: fp32 moves the gradient up and the weights down
+    # (78,858 float32 each way for the MLP); SlimGC 2bit moves clearly less. MXNet sends
+    # asynchronously, so a step's transfer can straddle the window's edge: allow 10%.
     params = by["fp32"]["model"]["num_params"]
     fp32_wire = by["fp32"]["wire_bytes_per_step_per_worker"]
-    assert fp32_wire["tx"] >= 4 * params and fp32_wire["rx"] >= 4 * params
+    assert fp32_wire["tx"] >= 0.9 * 4 * params and fp32_wire["rx"] >= 0.9 * 4 * params
     slim_wire = by["slimgc-2bit-full"]["wire_bytes_per_step_per_worker"]["total"]
     assert slim_wire < fp32_wire["total"] / 2
     assert by["slimgc-2bit-full"]["cttab"], "threshold table missing"
