@@ -104,8 +104,7 @@ class ModelBackup:
                 self.failed = True
             if self._error is not None:
                 from .pipeline import PipelineError
-                raise PipelineError("aggregation failed in a background thread (%s): %s"
-                                    % (self._error_where, self._error)) from self._error
+                raise PipelineError.of(self._error, self._error_where)
             if not ok:
                 raise BackupTimeout(
                     "key %r: global weights of step %d did not arrive within %.0f s; a worker or "

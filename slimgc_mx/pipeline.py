@@ -27,6 +27,13 @@ from .codecs import NonFiniteGradientError
 class PipelineError(RuntimeError):
     """A background stage failed; the original exception is chained as __cause__."""
 
+    @classmethod
+    def of(cls, error, where):
+        """The error the training thread raises for `error`, which happened at `where`."""
+        exc = cls("aggregation failed in a background thread (%s): %s" % (where, error))
+        exc.__cause__ = error
+        return exc
+
 
 class NonFiniteAggregateError(NonFiniteGradientError):
     """The sum over workers of a key's gradient holds NaN/Inf; no weight was updated."""
@@ -105,6 +112,7 @@ class Pipeline:
         self._finish = finish
         self._on_error = on_error
         self.error = None
+        self.error_where = None
         self.timed_out = False
         self._pending = 0
         self._idle = threading.Condition()
@@ -122,7 +130,7 @@ class Pipeline:
     def submit(self, job, ready=None):
         """Queue `job`; with `ready` (an NDArray) it enters once the engine has written it."""
         if self.error is not None:
-            raise PipelineError("the aggregation pipeline already failed") from self.error
+            raise PipelineError.of(self.error, self.error_where)
         with self._idle:
             self._pending += 1
         if ready is None:
@@ -139,7 +147,7 @@ class Pipeline:
                 raise TimeoutError("the aggregation pipeline did not drain in %.0f s: a worker "
                                    "or server may have died" % timeout)
         if self.error is not None:
-            raise PipelineError("the aggregation pipeline failed") from self.error
+            raise PipelineError.of(self.error, self.error_where)
 
     def close(self, join=True):
         """Stop the threads; join=False leaves threads stuck on a dead peer behind."""
@@ -175,8 +183,9 @@ class Pipeline:
 
     def _fail(self, exc, job):
         if self.error is None:
+            self.error_where = "key %r, step %d" % (job.key, job.step)
             self.error = exc
-            self._on_error(exc, "key %r, step %d" % (job.key, job.step))
+            self._on_error(exc, self.error_where)
         with self._idle:
             self._idle.notify_all()
 

@@ -483,3 +483,23 @@ def test_consistency_audit_names_the_first_diverging_parameter():
     np.testing.assert_array_equal(ok0[0], ok1[0])
     assert "ranks [0]" in msg0 and "ranks [1]" in msg0
     assert "step 2" in msg1
+
+
+def test_a_step_after_a_failure_names_the_original_error():
+    """Whichever call meets the failure first (a wait or the next submit), it names the cause."""
+    class Broken(LocalTransport):
+        def push_pull(self, wire_key, send, recv):
+            raise OSError("link down (injected)")
+
+    kv = SlimGC(transport=Broken(), compressor="none", backup=True)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    ws = [mx.nd.zeros(10), mx.nd.zeros(10)]
+    for k in range(2):
+        kv.broadcast(k, ws[k], out=ws[k])
+    kv.pushpull(0, mx.nd.ones(10), out=ws[0])
+    with pytest.raises(PipelineError):
+        kv.flush()
+    for k in range(2):  # key 1 never failed itself: the submit refuses, naming the cause
+        with pytest.raises(PipelineError, match=r"\(key 0, step 0\): link down \(injected\)"):
+            kv.pushpull(k, mx.nd.ones(10), out=ws[k])
+    kv.close()
