@@ -300,12 +300,15 @@ def test_bad_input_errors():
     kv.close()
 
 
-def test_background_error_surfaces_in_the_training_thread():
-    class Broken(LocalTransport):
-        def push_pull(self, wire_key, send, recv):
-            raise OSError("link down (injected)")
+class _BrokenLink(LocalTransport):
+    """A transport whose every transfer fails."""
 
-    kv = SlimGC(transport=Broken(), compressor="2bit", backup=True)
+    def push_pull(self, wire_key, send, recv):
+        raise OSError("link down (injected)")
+
+
+def test_background_error_surfaces_in_the_training_thread():
+    kv = SlimGC(transport=_BrokenLink(), compressor="2bit", backup=True)
     kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
     w = mx.nd.zeros(10)
     kv.broadcast(0, w, out=w)
@@ -487,11 +490,7 @@ def test_consistency_audit_names_the_first_diverging_parameter():
 
 def test_a_step_after_a_failure_names_the_original_error():
     """Whichever call meets the failure first (a wait or the next submit), it names the cause."""
-    class Broken(LocalTransport):
-        def push_pull(self, wire_key, send, recv):
-            raise OSError("link down (injected)")
-
-    kv = SlimGC(transport=Broken(), compressor="none", backup=True)
+    kv = SlimGC(transport=_BrokenLink(), compressor="none", backup=True)
     kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
     ws = [mx.nd.zeros(10), mx.nd.zeros(10)]
     for k in range(2):
