@@ -318,8 +318,10 @@ class SlimGC(KVStoreBase):
         self.flush()
         keys = {}
         for key, b in self._keys.items():
-            keys[key] = {"step": self._steps[key], "residual": b.residual.for_read().copy(),
-                         "codec": b.codec.state_dict() if b.codec is not None else None}
+            compressed = b.codec is not None
+            keys[key] = {"step": self._steps[key],
+                         "residual": b.residual.for_read().copy() if compressed else None,
+                         "codec": b.codec.state_dict() if compressed else None}
         local = self._local_updater
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -365,8 +367,8 @@ class SlimGC(KVStoreBase):
         for key, ks in state["keys"].items():
             b = self._keys[key]
             self._steps[key] = ks["step"]
-            np.copyto(b.residual.for_write(), ks["residual"])
             if b.codec is not None:
+                np.copyto(b.residual.for_write(), ks["residual"])
                 b.codec.load_state_dict(ks["codec"])
         self._backup.load_state_dict(state["backup"])
         self._cttab.load_state_dict(state["cttab"])

@@ -58,14 +58,14 @@ class KeyBuffers:
         self.codec = codec
         self.grad_buf = make_buffer(shape, np.float32)
         self.agg = make_buffer(shape, np.float32)
-        self.residual = make_buffer((size,), np.float32)
         self.device = None
         if codec is not None:
+            self.residual = make_buffer((size,), np.float32)
             lanes = max(1, codec.lane_count(size, num_workers))
             self.bit_send = make_buffer((lanes,), codec.wire_dtype)
             self.bit_recv = make_buffer((lanes,), codec.wire_dtype)
-        else:
-            self.bit_send = self.bit_recv = None
+        else:  # compressor 'none': full precision only, no error feedback
+            self.residual = self.bit_send = self.bit_recv = None
 
     # Wire keys: fp route, compressed route and the weight broadcast of key `index`.
     @property
