@@ -95,7 +95,7 @@ class Handle:
     """A transfer in flight; `wait()` returns once the summed result is in `recv`.
 
     It blocks without a limit: the training thread, not the pipeline thread,
-    enforces the timeout (see pipeline.Pipeline.wait).
+    enforces the timeout (see backup.ModelBackup.wait_version).
     """
 
     def __init__(self, recv, elapsed=None):
