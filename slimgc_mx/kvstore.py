@@ -145,7 +145,7 @@ class SlimGC(KVStoreBase):
 
     def init(self, key, value):
         """Initialize keys with rank 0's values."""
-        for k, v in _pairs(key, value):
+        for k, v, _ in _triples(key, value, None):
             self._init_one(k, _first(v))
 
     def broadcast(self, key, value, out, priority=0):
@@ -290,7 +290,7 @@ class SlimGC(KVStoreBase):
     # -- reading weights back --------------------------------------------------------------
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Write the newest global weights of `key` into `out`."""
-        for k, o in _pairs(key, out):
+        for k, o, _ in _triples(key, out, None):
             self._backup.wait_version(k, self._steps[k])
             for dst in _as_list(o):
                 self._backup.glo_buf(k).copyto(dst)
@@ -500,15 +500,8 @@ def _sum(arrays):
     return total
 
 
-def _pairs(key, value):
-    if isinstance(key, (list, tuple)):
-        if len(key) != len(value):
-            raise ValueError("got %d keys but %d values" % (len(key), len(value)))
-        return list(zip(key, value))
-    return [(key, value)]
-
-
 def _triples(key, value, out):
+    """(key, value, out) per key, for one key or lists of them (out may be None)."""
     if isinstance(key, (list, tuple)):
         outs = out if out is not None else [None] * len(key)
         if not (len(key) == len(value) == len(outs)):
