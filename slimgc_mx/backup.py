@@ -6,14 +6,18 @@ loc_buf = w_i - loc_lr * g_loc into the parameters (the local update) and sets
 the flag 0 -> 1; it then returns and computes step i+1 while step i is still
 being aggregated. The aggregation thread may overwrite glo_buf with w_{i+1} only
 while the flag is 1 (the local update has read w_i); it then sets it 1 -> 0 and
-publishes version i+1. With backup off the training thread waits for w_{i+1}
-and copies it into the parameters (synchronous SGD).
+publishes version i+1. With backup off the parameters get w_{i+1} (synchronous
+SGD); the training thread does not wait for it: a write hold in MXNet's engine
+makes the next forward pass wait instead, as MXNet's own kvstore does.
 """
 import copy
 import threading
 import time
 
 import mxnet as mx
+import numpy as np
+
+from .transport import Buffer, async_engine
 
 
 class BackupTimeout(TimeoutError):
@@ -21,33 +25,53 @@ class BackupTimeout(TimeoutError):
 
 
 class _Slot:
-    __slots__ = ("glo_buf", "version", "flag", "loc_bufs")
+    __slots__ = ("glo", "version", "flag", "loc_bufs", "staged", "pending")
 
-    def __init__(self, glo_buf):
-        self.glo_buf = glo_buf
+    def __init__(self, glo):
+        self.glo = glo  # glo_buf, a Buffer
         self.version = 0
         self.flag = 0
         self.loc_bufs = None  # the parameter arrays the trainer reads (loc_buf)
+        self.staged = None  # backup off: what the parameters copy from once the hold is released
+        self.pending = None  # backup off: (version, WriteHold, deadline) not yet published
+
+    @property
+    def glo_buf(self):
+        return self.glo.nd
+
+    def stage(self):
+        """Copy glo_buf into the staging buffer: runs under its WriteHold, glo_buf already read-ready."""
+        np.copyto(self.staged.held(), self.glo.held())
 
 
 class ModelBackup:
-    """glo_buf per key and the loc_buf status flag; the two threads meet only here."""
+    """glo_buf per key and the loc_buf status flag; the two threads meet only here.
 
-    def __init__(self, enabled, timeout):
+    `engine` (an EngineNotifier) lets write_back return without waiting; without
+    it, or under MXNet's NaiveEngine, write_back waits for the global weights.
+    """
+
+    def __init__(self, enabled, timeout, engine=None):
         self.enabled = enabled
         self.timeout = timeout
+        self._engine = engine if engine is not None and not enabled and async_engine() else None
         self._slots = {}
         self._cond = threading.Condition()
         self._error = None
         self._error_where = None
+        self._closed = threading.Event()
+        self._watchdog = None
         self.blocked_s = 0.0  # training-thread time spent waiting for global weights
         self.failed = False  # a wait raised: an aggregation failed or never completed
 
     def add(self, key, weight):
         """Register `key` with initial global weights (copied to a CPU, default-layout glo_buf)."""
-        glo = mx.nd.zeros(weight.shape, ctx=mx.cpu(), dtype="float32")
-        weight.copyto(glo)
-        self._slots[key] = _Slot(glo)
+        glo = Buffer(weight.shape, np.float32)
+        weight.copyto(glo.nd)
+        slot = self._slots[key] = _Slot(glo)
+        if self._engine is not None:
+            slot.staged = Buffer(weight.shape, np.float32)
+            glo.nd.copyto(slot.staged.nd)
 
     def glo_buf(self, key):
         return self._slots[key].glo_buf
@@ -70,12 +94,30 @@ class ModelBackup:
             self._cond.notify_all()
 
     def write_back(self, key, step, loc_bufs):
-        """Training thread: wait for glo_step and copy it into the parameters."""
+        """Training thread, backup off: the parameters get glo_step once it is published.
+
+        With the engine it returns at once: a WriteHold on the staging buffer sits
+        between the aggregation and the copies into the parameters, so the next
+        forward pass waits in the engine, while this thread queues more work.
+        """
         slot = self._slots[key]
-        self.wait_version(key, step)
         slot.loc_bufs = loc_bufs
+        if self._engine is None:
+            self.wait_version(key, step)
+            for out in loc_bufs:
+                slot.glo_buf.copyto(out)
+            return
+        hold = self._engine.hold(slot.staged.nd)
         for out in loc_bufs:
-            slot.glo_buf.copyto(out)
+            slot.staged.nd.copyto(out)
+        with self._cond:
+            published = slot.version >= step or self._error is not None
+            if not published:
+                slot.pending = (step, hold, time.monotonic() + self.timeout)
+        if published:
+            hold.release(slot.stage if self._error is None else None)
+        else:
+            self._watch()
 
     def publish(self, key, step, global_update, local_step_done):
         """Aggregation thread: glo_buf <- w_{step+1} via `global_update(glo_buf)`, flag 1 -> 0."""
@@ -87,10 +129,15 @@ class ModelBackup:
             if self._error is not None:
                 return
         global_update(slot.glo_buf)
+        if slot.staged is not None:
+            slot.glo.for_read()  # the fill below copies it without waiting
         with self._cond:
             slot.version = step + 1
             slot.flag = 0
+            pending, slot.pending = slot.pending, None
             self._cond.notify_all()
+        if pending is not None:
+            pending[1].release(slot.stage)
 
     def wait_version(self, key, version):
         """Block until glo_buf of `key` holds w_version; raise on pipeline failure or timeout."""
@@ -103,20 +150,58 @@ class ModelBackup:
             if self._error is not None or not ok:
                 self.failed = True
             if self._error is not None:
-                from .pipeline import PipelineError
-                raise PipelineError.of(self._error, self._error_where)
+                self._raise()
             if not ok:
-                raise BackupTimeout(
-                    "key %r: global weights of step %d did not arrive within %.0f s; a worker or "
-                    "server may have died (set SLIMGC_TIMEOUT to wait longer)"
-                    % (key, version, self.timeout))
+                raise BackupTimeout(_late(key, version, self.timeout))
+
+    def _raise(self):
+        if isinstance(self._error, BackupTimeout):
+            raise BackupTimeout(str(self._error))
+        from .pipeline import PipelineError
+        raise PipelineError.of(self._error, self._error_where)
 
     def fail(self, exc, where):
-        """Wake every waiter: the aggregation of `where` failed with `exc`."""
+        """Wake every waiter and release every hold: the aggregation of `where` failed with `exc`."""
         with self._cond:
-            self._error = exc
-            self._error_where = where
+            if self._error is None:
+                self._error = exc
+                self._error_where = where
             self._cond.notify_all()
+        self._release_all()
+
+    def _release_all(self):
+        """Let the engine go on without the global weights (they are not coming)."""
+        with self._cond:
+            pending = [s.pending for s in self._slots.values() if s.pending is not None]
+            for s in self._slots.values():
+                s.pending = None
+        for _, hold, _ in pending:
+            hold.release()
+
+    def _watch(self):
+        """Start the thread that fails holds whose aggregation is later than the timeout."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watchdog_loop, name="slimgc-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
+
+    def _watchdog_loop(self):
+        poll = max(0.05, min(1.0, self.timeout / 4))
+        while not self._closed.wait(poll):
+            now = time.monotonic()
+            with self._cond:
+                late = [(k, s.pending[0]) for k, s in self._slots.items()
+                        if s.pending is not None and s.pending[2] <= now]
+            if late:
+                key, version = late[0]
+                self.failed = True
+                self.fail(BackupTimeout(_late(key, version, self.timeout)),
+                          "key %r, step %d" % (key, version - 1))
+
+    def close(self):
+        """Stop the watchdog and release any hold left, so the engine never waits on it."""
+        self._closed.set()
+        self._release_all()
 
     def flush(self):
         """Write the newest global weights into every key's parameters (the checkpointable state)."""
@@ -134,8 +219,15 @@ class ModelBackup:
         for key, s in state.items():
             slot = self._slots[key]
             slot.glo_buf[:] = s["glo_buf"]
+            if slot.staged is not None:
+                slot.glo_buf.copyto(slot.staged.nd)
             slot.version = s["version"]
             slot.flag = s["flag"]
+
+
+def _late(key, version, timeout):
+    return ("key %r: global weights of step %d did not arrive within %.0f s; a worker or server "
+            "may have died (set SLIMGC_TIMEOUT to wait longer)" % (key, version, timeout))
 
 
 def clone_optimizer(opt):

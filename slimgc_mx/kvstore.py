@@ -106,8 +106,9 @@ class SlimGC(KVStoreBase):
             self._cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps)
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
                                          lanes=self._lane_format()))
-        self._backup = ModelBackup(cfg.backup, cfg.timeout)
-        self._pipeline = Pipeline(transport, self._finish, self._backup.fail, EngineNotifier())
+        engine = EngineNotifier()
+        self._backup = ModelBackup(cfg.backup, cfg.timeout, engine)
+        self._pipeline = Pipeline(transport, self._finish, self._backup.fail, engine)
         log.info("slimgc: rank %d/%d, transport %s, %s", transport.rank, transport.num_workers,
                  transport.kind, cfg)
 
@@ -427,6 +428,8 @@ class SlimGC(KVStoreBase):
         broken = self.broken
         if self._pipeline is not None:
             self._pipeline.close(join=not broken)
+        if self._backup is not None:
+            self._backup.close()
         if broken:
             return self._transport.kind != "dist_sync"
         return self._transport is None or self._transport.close(SHUTDOWN_TIMEOUT)

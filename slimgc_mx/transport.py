@@ -54,20 +54,87 @@ class Buffer:
         check_call(_LIB.MXNDArrayWaitToWrite(self.nd.handle))
         return self._np
 
+    def held(self):
+        """The NumPy view without waiting: for code that already has the access (a WriteHold fill).
+
+        Waiting there could deadlock: a fill may run on one of the engine's own threads.
+        """
+        return self._np
+
 
 class _Context(ctypes.Structure):
     _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int)]
 
 
 _ENGINE_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+_ENGINE_ASYNC_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class _OnComplete(ctypes.Structure):
+    """MXNet's engine::CallbackOnComplete (include/mxnet/engine.h, copyable by design)."""
+
+    _fields_ = [("callback", ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                              ctypes.c_void_p)),
+                ("engine", ctypes.c_void_p), ("param", ctypes.c_void_p)]
+
+    def __call__(self):
+        self.callback(self.engine, self.param, None)
+
+
+class WriteHold:
+    """Write access to an NDArray, held in MXNet's engine until `release`.
+
+    Operators pushed after the hold on that array (a copy into the model's
+    parameters, the next forward pass) wait for the release, while the thread
+    that pushed them goes on. `release(fill)` runs fill() once the engine has
+    granted the access, in whichever thread comes second, then lets them run.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._granted = None
+        self._released = False
+        self._fill = None
+
+    def _grant(self, on_complete):  # an engine thread
+        with self._lock:
+            if not self._released:
+                self._granted = on_complete
+                return
+        self._complete(self._fill, on_complete)
+
+    def release(self, fill=None):
+        """Finish the hold (once; later calls do nothing), writing with fill() first if given."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            self._fill = fill
+            granted = self._granted
+        if granted is not None:
+            self._complete(fill, granted)
+
+    @staticmethod
+    def _complete(fill, on_complete):
+        try:
+            if fill is not None:
+                fill()
+        finally:
+            on_complete()
+
+
+def async_engine():
+    """True when MXNet's engine runs operators asynchronously (not NaiveEngine)."""
+    return "naive" not in os.environ.get("MXNET_ENGINE_TYPE", "").lower()
 
 
 class EngineNotifier:
-    """Runs a callback once an NDArray's pending writes are done, in the order they finish.
+    """Hooks into MXNet's engine: callbacks when an array is ready, and write holds.
 
-    It pushes a tiny operator that reads the array into MXNet's engine; the engine
-    runs it right after the array's producer (e.g. the copy of a gradient that
-    backward has just finished), so keys are consumed as they become ready.
+    `when_readable` pushes a tiny operator that reads the array; the engine runs
+    it right after the array's producer (e.g. the copy of a gradient that backward
+    has just finished), so keys are consumed as they become ready. `hold` pushes
+    an asynchronous operator that writes the array and completes on release.
     """
 
     def __init__(self):
@@ -75,20 +142,39 @@ class EngineNotifier:
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._func = _ENGINE_FUNC(self._fire)  # kept alive as long as the notifier
+        self._async_func = _ENGINE_ASYNC_FUNC(self._grant)
         self._cpu = _Context(1, 0)
 
-    def _fire(self, run_context, token):
+    def _pop(self, token):
         with self._lock:
-            callback = self._callbacks.pop(token)
-        callback()
+            return self._callbacks.pop(token)
 
-    def when_readable(self, nd, callback):
+    def _fire(self, run_context, token):
+        self._pop(token)()
+
+    def _grant(self, run_context, on_complete, token):
+        callback = _OnComplete.from_buffer_copy(
+            ctypes.string_at(on_complete, ctypes.sizeof(_OnComplete)))
+        self._pop(token)._grant(callback)
+
+    def _register(self, callback):
         token = next(self._tokens)
         with self._lock:
             self._callbacks[token] = callback
+        return ctypes.c_void_p(token)
+
+    def when_readable(self, nd, callback):
         check_call(_LIB.MXEnginePushSyncND(
-            self._func, ctypes.c_void_p(token), None, ctypes.byref(self._cpu),
+            self._func, self._register(callback), None, ctypes.byref(self._cpu),
             (NDArrayHandle * 1)(nd.handle), 1, None, 0, None, 0, None))
+
+    def hold(self, nd):
+        """A WriteHold on `nd`; needs the asynchronous engine (see async_engine)."""
+        hold = WriteHold()
+        check_call(_LIB.MXEnginePushAsyncND(
+            self._async_func, self._register(hold), None, ctypes.byref(self._cpu),
+            None, 0, (NDArrayHandle * 1)(nd.handle), 1, None, 0, None, ctypes.c_bool(False)))
+        return hold
 
 
 class Handle:

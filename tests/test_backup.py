@@ -8,10 +8,11 @@ import pytest
 
 from slimgc_mx.backup import BackupTimeout, LocalUpdater, ModelBackup, clone_optimizer
 from slimgc_mx.pipeline import PipelineError
+from slimgc_mx.transport import EngineNotifier
 
 
-def _backup(enabled=True, timeout=5.0):
-    b = ModelBackup(enabled, timeout)
+def _backup(enabled=True, timeout=5.0, engine=None):
+    b = ModelBackup(enabled, timeout, engine)
     b.add("w", mx.nd.array([1.0, 2.0, 3.0]))
     return b
 
@@ -56,6 +57,56 @@ def test_backup_off_publishes_without_a_flag_and_write_back_waits():
     b.write_back("w", 1, out)
     np.testing.assert_allclose(out[0].asnumpy(), [0.0, 1.0, 2.0])
     assert b.blocked_s > 0
+
+
+def _timed_read(arr):
+    start = time.perf_counter()
+    return arr.asnumpy(), time.perf_counter() - start
+
+
+@pytest.mark.parametrize("publish_first", [False, True])
+def test_backup_off_write_back_returns_at_once_and_the_engine_waits(publish_first):
+    b = _backup(enabled=False, engine=EngineNotifier())
+    out = [mx.nd.zeros(3), mx.nd.zeros(3)]
+    if publish_first:
+        b.publish("w", 0, _sub(1.0), local_step_done=False)
+    else:
+        threading.Timer(0.3, lambda: b.publish("w", 0, _sub(1.0), local_step_done=False)).start()
+    start = time.perf_counter()
+    b.write_back("w", 1, out)
+    assert time.perf_counter() - start < 0.2  # the training thread does not wait ...
+    later = out[1] * 2  # ... and work queued after the write-back sees the new weights
+    np.testing.assert_allclose(later.asnumpy(), [0.0, 2.0, 4.0])
+    for arr in out:
+        np.testing.assert_allclose(arr.asnumpy(), [0.0, 1.0, 2.0])
+    assert b.blocked_s == 0
+    b.close()
+
+
+def test_backup_off_hold_is_released_on_failure_and_keeps_the_old_weights():
+    b = _backup(enabled=False, engine=EngineNotifier())
+    out = [mx.nd.array([1.0, 2.0, 3.0])]
+    b.write_back("w", 1, out)
+    threading.Timer(0.2, lambda: b.fail(OSError("link down"), "key 'w', step 0")).start()
+    values, seconds = _timed_read(out[0])
+    np.testing.assert_allclose(values, [1.0, 2.0, 3.0])
+    assert seconds < 4
+    with pytest.raises(PipelineError, match="link down"):
+        b.wait_version("w", 1)
+    b.close()
+
+
+def test_backup_off_late_aggregation_fails_after_the_timeout_instead_of_hanging():
+    b = _backup(enabled=False, timeout=0.5, engine=EngineNotifier())
+    out = [mx.nd.array([1.0, 2.0, 3.0])]
+    b.write_back("w", 1, out)
+    values, seconds = _timed_read(out[0])  # never published: the watchdog lets the engine go
+    np.testing.assert_allclose(values, [1.0, 2.0, 3.0])
+    assert 0.4 < seconds < 4
+    with pytest.raises(BackupTimeout, match="key 'w': global weights of step 1"):
+        b.wait_version("w", 1)
+    assert b.failed
+    b.close()
 
 
 def test_wait_times_out_with_the_key_and_step():

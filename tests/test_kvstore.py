@@ -330,6 +330,8 @@ def test_stuck_transfer_times_out_in_the_training_thread():
     w = mx.nd.zeros(10)
     kv.broadcast(0, w, out=w)
     start = time.time()
+    kv.pushpull(0, mx.nd.ones(10), out=w)  # returns: the engine, not this thread, waits
+    np.testing.assert_array_equal(w.asnumpy(), 0)  # released after the timeout, unchanged
     with pytest.raises(BackupTimeout, match="did not arrive within"):
         kv.pushpull(0, mx.nd.ones(10), out=w)
     assert time.time() - start < 5
@@ -348,20 +350,23 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
         w = mx.nd.ones(size)
         kv.broadcast(0, w, out=w)
         kv.pushpull(0, mx.nd.ones(size), out=w)
-        before = kv._backup.glo_buf(0).asnumpy().copy()
+        before = w.asnumpy().copy()  # reading waits for step 0's global weights
         grad = np.ones(size, np.float32)
         if rank == 1:
             grad[7] = np.nan
+        kv.pushpull(0, mx.nd.array(grad), out=w)  # the failure surfaces at the next call
         with pytest.raises(PipelineError) as info:
-            kv.pushpull(0, mx.nd.array(grad), out=w)
+            kv.pushpull(0, mx.nd.ones(size), out=w)
         after = kv._backup.glo_buf(0).asnumpy()
+        param = w.asnumpy()
         kv.close()
-        return info.value, before, after
+        return info.value, before, after, param
 
-    for err, before, after in _in_threads(2, worker):
+    for err, before, after, param in _in_threads(2, worker):
         assert isinstance(err.__cause__, NonFiniteAggregateError)
         assert "key 0, step 1" in str(err)
         np.testing.assert_array_equal(before, after)
+        np.testing.assert_array_equal(param, before)
         assert np.isfinite(after).all()
 
 
