@@ -75,7 +75,8 @@ def build_parser():
                    help="slimgc: tensors smaller than this go uncompressed; auto = measured "
                         "during warm-up (CTTab), off = compress every tensor")
     g.add_argument("--no-backup", action="store_true",
-                   help="slimgc: disable model backup (the next forward pass waits for the global weights)")
+                   help="slimgc: disable model backup (the next forward pass waits for the "
+                        "global weights)")
     g.add_argument("--no-offload", action="store_true",
                    help="slimgc: encode on the gradient's device instead of CPU threads")
     g = p.add_argument_group("model and data")
