@@ -38,6 +38,20 @@ def test_time_composition_adds_up():
     assert tc["overlap"] == pytest.approx(0.4)  # 0.4 + 0.25 of work, 0.25 of it exposed
 
 
+def test_repeats_keep_the_median_run_and_every_value():
+    def rec(name, sps, ok=True):
+        return {"config": name, "ok": ok, "samples_per_s_per_worker": sps, "wall": sps}
+    runs = [rec("fp32", 10.0), rec("full", 30.0), rec("fp32", 12.0), rec("full", 20.0),
+            rec("fp32", 11.0), rec("full", None, ok=False)]
+    rows = cluster.merge_repeats(runs, ["fp32", "full"])
+    assert [r["config"] for r in rows] == ["fp32", "full"]
+    assert rows[0]["samples_per_s_per_worker"] == 11.0 and rows[0]["wall"] == 11.0
+    assert sorted(rows[0]["samples_per_s_runs"]) == [10.0, 11.0, 12.0]
+    assert rows[1]["samples_per_s_per_worker"] == 20.0  # lower median of the 2 good runs
+    assert rows[1]["runs_ok"] == 2 and rows[1]["runs"] == 3
+    assert cluster.merge_repeats([rec("x", None, ok=False)], ["x"])[0]["runs_ok"] == 0
+
+
 def _skip_reason():
     ok, why = cluster.netns_available()
     return None if ok else why

@@ -384,9 +384,11 @@ def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
 
 
 def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
-               seed: int = 0) -> dict:
+               seed: int = 0, repeat: int = 0) -> dict:
     """Run one configuration once; returns its summary (also written as NAME.json)."""
     tag = name if opts.mode == "throughput" else "%s.seed%d" % (name, seed)
+    if getattr(opts, "repeats", 1) > 1:
+        tag += ".r%d" % repeat
     probe_dir = os.path.join(outdir, tag + ".probe")
     os.makedirs(probe_dir, exist_ok=True)
     for f in os.listdir(probe_dir):
@@ -397,6 +399,8 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
     if opts.mode == "throughput":
         total = opts.warmup + opts.steps + 1
         train_args += ["--epochs", "1", "--steps", str(total), "--warmup-steps", str(opts.warmup)]
+        if opts.dataset.startswith("synthetic"):  # enough samples for every worker's window
+            train_args += ["--num-train", str(total * opts.batch_size * opts.workers)]
         start, window = opts.warmup + 1, opts.steps
     else:
         train_args += ["--epochs", str(opts.epochs)]
@@ -496,6 +500,11 @@ def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
     if opts.mode != "throughput":
         return out
     complete = [p for p in probes if p.get("complete")]
+    if len(complete) < len(probes):
+        out["ok"] = False
+        out["error"] = ("%d of %d workers ran fewer than warmup + steps = %d steps; use a larger "
+                        "dataset (train.py --num-train) or fewer --steps"
+                        % (len(probes) - len(complete), len(probes), opts.warmup + opts.steps + 1))
     steps = [p["step_s"]["median"] for p in complete]
     step = max(steps) if steps else None  # synchronous: the slowest worker sets the pace
     out["step_s"] = {"median_per_worker": steps, "median": step,
@@ -606,6 +615,10 @@ def parse_args(argv, prog):
                    help="codecs that --configs all covers (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20,
                    help="throughput: timed steps per configuration (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="throughput: run every configuration this many times, interleaved "
+                        "(config A, B, ..., A, B, ...); each row reports the run with the "
+                        "median samples/s and the spread of all runs (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=10,
                    help="throughput: steps before the timed window; must cover the CTTab "
                         "warm-up (default: %(default)s)")
@@ -640,8 +653,8 @@ def parse_args(argv, prog):
         p.error("--bandwidth %r: expected a tc rate such as 1gbit, 10gbit, 100mbit" % opts.bandwidth)
     if opts.delay and not _DELAY.match(opts.delay):
         p.error("--delay %r: expected a time such as 0.1ms, 100us" % opts.delay)
-    if opts.steps < 1 or opts.warmup < 0 or opts.workers < 1:
-        p.error("need --steps >= 1, --warmup >= 0, --workers >= 1")
+    if opts.steps < 1 or opts.warmup < 0 or opts.workers < 1 or opts.repeats < 1:
+        p.error("need --steps >= 1, --warmup >= 0, --workers >= 1, --repeats >= 1")
     codecs = [c for c in opts.codecs.split(",") if c]
     try:
         opts.config_list = parse_configs(opts.configs, codecs)
@@ -719,17 +732,22 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
                 cluster = stack.enter_context(NetnsCluster(
                     opts.servers, opts.workers, opts.bandwidth, opts.delay))
             seeds = opts.seed_list if opts.mode == "accuracy" else [0]
-            runs = [(c, s) for s in seeds for c in opts.config_list]
-            for k, (name, seed) in enumerate(runs, 1):
+            repeats = opts.repeats if opts.mode == "throughput" else 1
+            runs = [(c, s, k) for s in seeds for k in range(repeats) for c in opts.config_list]
+            for k, (name, seed, rep) in enumerate(runs, 1):
                 label = name if opts.mode == "throughput" else "%s seed %d" % (name, seed)
+                if repeats > 1:
+                    label += " (run %d/%d)" % (rep + 1, repeats)
                 print("[%d/%d] %s ..." % (k, len(runs), label), end=" ", flush=True)
-                rec = run_config(name, opts, cluster, opts.out, seed)
+                rec = run_config(name, opts, cluster, opts.out, seed, rep)
+                rec["repeat"] = rep
                 results.append(rec)
                 if rec.get("status", 0) >= 128:  # the job was interrupted: stop here
                     raise KeyboardInterrupt
                 if not rec["ok"]:
                     status = 1
-                    print("FAILED (exit %s; see %s)" % (rec["status"], rec["log"]), flush=True)
+                    print("FAILED (exit %s; %s)" % (rec["status"], rec.get("error")
+                                                     or "see " + rec["log"]), flush=True)
                 elif opts.mode == "throughput":
                     wire = (rec.get("wire_bytes_per_step_per_worker") or {}).get("total")
                     print("%s samples/s/worker, step %s s, %s MB/step/worker, %.0f s"
@@ -749,6 +767,9 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
             signal.signal(s, h)
         summary = dict(header, finished=time.strftime("%Y-%m-%d %H:%M:%S"), results=results)
         if opts.mode == "throughput":
+            if opts.repeats > 1:
+                summary.update(repeats=opts.repeats, runs=results,
+                               results=merge_repeats(results, opts.config_list))
             add_derived(summary)
         with open(os.path.join(opts.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
@@ -756,6 +777,28 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
     if opts.mode == "throughput" and results:
         print(format_table(summary))
     return status
+
+
+def merge_repeats(records: List[dict], configs: List[str]) -> List[dict]:
+    """One row per configuration: its run with the median samples/s, plus every run's value.
+
+    The median run (the lower one for an even count) stands for the configuration
+    in ratios and plots, so its wire bytes and time split are from a real run.
+    """
+    rows = []
+    for name in configs:
+        mine = [r for r in records if r["config"] == name]
+        ok = sorted((r for r in mine if r.get("ok") and r.get("samples_per_s_per_worker")),
+                    key=lambda r: r["samples_per_s_per_worker"])
+        if not ok:
+            rows.append(dict(mine[0], runs_ok=0, runs=len(mine)))
+            continue
+        row = dict(ok[(len(ok) - 1) // 2])
+        row["runs_ok"], row["runs"] = len(ok), len(mine)
+        row["samples_per_s_runs"] = [r["samples_per_s_per_worker"] for r in mine if r.get("ok")]
+        row["comm_threshold_runs"] = [r.get("comm_threshold_bytes") for r in mine if r.get("ok")]
+        rows.append(row)
+    return rows
 
 
 def add_derived(summary: dict):

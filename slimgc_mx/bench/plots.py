@@ -70,7 +70,13 @@ def throughput(summary, path):
     vals = [r["samples_per_s_per_worker"] / base for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
     colors = ["#888888" if not n.startswith("slimgc") else "#2b6cb0" for n in names]
-    bars = ax.bar(range(len(rows)), vals, color=colors)
+    spread = [[r["samples_per_s_per_worker"] - min(r.get("samples_per_s_runs") or [0]),
+               max(r.get("samples_per_s_runs") or [0]) - r["samples_per_s_per_worker"]]
+              for r in rows]
+    err = None
+    if any(r.get("samples_per_s_runs") for r in rows):  # min-max over the repeated runs
+        err = [[max(0.0, lo) / base for lo, _ in spread], [max(0.0, hi) / base for _, hi in spread]]
+    bars = ax.bar(range(len(rows)), vals, color=colors, yerr=err, capsize=3)
     for b, r in zip(bars, rows):
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), "%.1f" % r["samples_per_s_per_worker"],
                 ha="center", va="bottom", fontsize=7)
@@ -198,6 +204,9 @@ def markdown(summary):
            "(tx+rx) | wire / fp32 | step s | compute | exposed | wire at line rate | compression | "
            "overlap | blocked | BestCT |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if summary.get("repeats"):
+        out[0] += (" Each row: the median of %d interleaved runs; samples/s of every run in "
+                   "the second column's brackets." % summary["repeats"])
     for r in rows:
         if not r.get("ok"):
             out.append("| %s | failed (exit %s) |" % (r["config"], r.get("status")) + " |" * 13)
@@ -211,7 +220,8 @@ def markdown(summary):
         def f(x, spec="%.2f"):
             return "-" if x is None else spec % x
         out.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-            r["config"], f(r.get("samples_per_s_per_worker"), "%.1f"), f(vs.get("mxnet-2bit")),
+            r["config"], f(r.get("samples_per_s_per_worker"), "%.1f") + _runs(r),
+            f(vs.get("mxnet-2bit")),
             f(vs.get("fp32")), f(vs.get("no-comm")), f(w / 1e6 if w is not None else None, "%.3g"),
             f(w / fp32_wire if w is not None and fp32_wire else None, "%.3f"),
             f(r["step_s"]["median"], "%.3f"), f(tc.get("compute"), "%.3f"),
@@ -220,6 +230,11 @@ def markdown(summary):
             f(tc.get("blocked"), "%.3f"),
             (_bytes(ct) if ct is not None else ("never" if phase == "trained" else "-"))))
     return "\n".join(out)
+
+
+def _runs(row):
+    runs = row.get("samples_per_s_runs")
+    return " [%s]" % ", ".join("%.1f" % v for v in runs) if runs and len(runs) > 1 else ""
 
 
 def _bytes(n):
