@@ -52,6 +52,24 @@ def test_repeats_keep_the_median_run_and_every_value():
     assert cluster.merge_repeats([rec("x", None, ok=False)], ["x"])[0]["runs_ok"] == 0
 
 
+def test_accuracy_table_has_every_seed_the_mean_and_the_threshold():
+    from slimgc_mx.bench import plots
+
+    def run(config, acc, ct=None, phase=None):
+        return {"config": config, "ok": acc is not None, "comm_threshold_bytes": ct,
+                "comm_threshold_phase": phase, "final_test_acc": {"0": acc, "1": acc}}
+    summary = {"model": "cnn1d", "command": ["bench"], "results": [
+        run("fp32", 0.9), run("slimgc-2bit-full", 0.8, ct=5120, phase="trained"),
+        run("fp32", 0.7), run("slimgc-2bit-full", None), run("slimgc-2bit-full", 0.6,
+                                                              phase="trained")]}
+    lines = plots.accuracy_markdown(summary).splitlines()
+    fp32 = next(line for line in lines if line.startswith("| fp32 "))
+    assert "0.900 / 0.700" in fp32 and "| 0.800 |" in fp32 and "0.700-0.900" in fp32
+    full = next(line for line in lines if line.startswith("| slimgc-2bit-full "))
+    assert "0.800 / failed / 0.600" in full and "| 0.700 |" in full
+    assert "5.0 KB /" in full and full.rstrip(" |").endswith("never")
+
+
 def _skip_reason():
     ok, why = cluster.netns_available()
     return None if ok else why

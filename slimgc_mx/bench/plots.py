@@ -33,6 +33,7 @@ def load(path):
     """A summary.json with its derived fields recomputed by the current definitions."""
     with open(path) as f:
         summary = json.load(f)
+    summary["name"] = os.path.basename(os.path.dirname(os.path.abspath(path)))
     if summary.get("mode") != "accuracy":
         from .cluster import add_derived
         add_derived(summary)
@@ -184,14 +185,43 @@ def accuracy(summaries, path):
             drew = True
         ax.set_xlabel("epoch")
         ax.set_ylabel("test accuracy")
-        ax.set_title("%s on %s, %d workers" % (summary["model"], summary["dataset"],
-                                               summary["workers"]), fontsize=9)
+        ax.set_title("%s on %s, %d workers (%s)" % (summary["model"], summary["dataset"],
+                                                    summary["workers"], summary.get("name", "")),
+                     fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     if drew:
         fig.savefig(path, dpi=110)
     plt.close(fig)
     return drew
+
+
+def accuracy_markdown(summary):
+    """Markdown table of one accuracy summary: final test accuracy per seed, mean, spread, BestCT."""
+    by = {}
+    for r in summary["results"]:
+        by.setdefault(r["config"], []).append(r)
+    out = ["**%s** (`%s`)" % (summary.get("name", summary["model"]), " ".join(summary["command"])),
+           "", "| config | final test acc per seed | mean | min-max | BestCT per seed |",
+           "|---|---|---|---|---|"]
+    for name, runs in by.items():
+        accs = [_first_acc(r) for r in runs]
+        good = [a for a in accs if a is not None]
+        cts = ["-" if not r["config"].startswith("slimgc") else
+               (_bytes(r["comm_threshold_bytes"]) if r.get("comm_threshold_bytes") is not None
+                else "never" if r.get("comm_threshold_phase") == "trained" else "fixed")
+               for r in runs]
+        out.append("| %s | %s | %s | %s | %s |" % (
+            name, " / ".join("failed" if a is None else "%.3f" % a for a in accs),
+            "%.3f" % (sum(good) / len(good)) if good else "-",
+            "%.3f-%.3f" % (min(good), max(good)) if good else "-", " / ".join(cts)))
+    return "\n".join(out)
+
+
+def _first_acc(record):
+    """Final test accuracy of a run (every worker evaluates the same global weights)."""
+    accs = [a for a in (record.get("final_test_acc") or {}).values() if a is not None]
+    return accs[0] if record.get("ok") and accs else None
 
 
 def markdown(summary):
@@ -254,8 +284,8 @@ def main(argv=None, prog="python -m slimgc_mx.bench.plots"):
     if opts.markdown:
         for s in opts.summaries:
             summary = load(s)
-            if summary.get("mode") != "accuracy":
-                print(markdown(summary) + "\n")
+            print((accuracy_markdown(summary) if summary.get("mode") == "accuracy"
+                   else markdown(summary)) + "\n")
         return 0
     os.makedirs(opts.out, exist_ok=True)
     acc = []
@@ -271,8 +301,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench.plots"):
             if fn(summary, path):
                 print("wrote %s" % path)
     if acc:
-        path = os.path.join(opts.out, "accuracy_%s.png" % "_".join(
-            "%s-%dw" % (s["model"], s["workers"]) for s in acc))
+        path = os.path.join(opts.out, "accuracy_%s.png" % "_".join(s["name"] for s in acc))
         if accuracy(acc, path):
             print("wrote %s" % path)
     return 0
