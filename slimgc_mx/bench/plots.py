@@ -78,8 +78,9 @@ def throughput(summary, path):
     if any(r.get("samples_per_s_runs") for r in rows):  # min-max over the repeated runs
         err = [[max(0.0, lo) / base for lo, _ in spread], [max(0.0, hi) / base for _, hi in spread]]
     bars = ax.bar(range(len(rows)), vals, color=colors, yerr=err, capsize=3)
-    for b, r in zip(bars, rows):
-        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), "%.1f" % r["samples_per_s_per_worker"],
+    for i, (b, r) in enumerate(zip(bars, rows)):
+        top = b.get_height() + (err[1][i] if err else 0.0)  # above the error bar
+        ax.text(b.get_x() + b.get_width() / 2, top, "%.1f" % r["samples_per_s_per_worker"],
                 ha="center", va="bottom", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(rows)))
