@@ -111,13 +111,14 @@ class ModelBackup:
         for out in loc_bufs:
             slot.staged.nd.copyto(out)
         with self._cond:
-            published = slot.version >= step or self._error is not None
-            if not published:
+            failed = self._error is not None
+            waiting = slot.version < step and not failed
+            if waiting:
                 slot.pending = (step, hold, time.monotonic() + self.timeout)
-        if published:
-            hold.release(slot.stage if self._error is None else None)
-        else:
+        if waiting:
             self._watch()
+        else:
+            hold.release(None if failed else slot.stage)
 
     def publish(self, key, step, global_update, local_step_done):
         """Aggregation thread: glo_buf <- w_{step+1} via `global_update(glo_buf)`, flag 1 -> 0."""

@@ -48,8 +48,8 @@ class SlimGC(KVStoreBase):
         self._backup = None
         self._cttab = None
         self._codec = None  # the prototype codec; each key gets a clone
-        self._counters = {"pushed": 0, "pulled": 0, "fp32": 0, "comm_s": 0.0, "compress_s": 0.0,
-                       "transfers": 0, "compressed_transfers": 0}
+        self._counters = {"wire": 0, "fp32": 0, "comm_s": 0.0, "compress_s": 0.0,
+                          "transfers": 0, "compressed_transfers": 0}
         _LIVE.add(self)
         _ALL.add(self)
 
@@ -248,8 +248,7 @@ class SlimGC(KVStoreBase):
         b = job.buffers
         key, opt_settings, local = job.context
         send = b.bit_send if job.compressed else b.grad_buf
-        self._counters["pushed"] += send.nbytes
-        self._counters["pulled"] += send.nbytes
+        self._counters["wire"] += send.nbytes  # pushed, and pulled back as the same lanes
         self._counters["fp32"] += b.nbytes
         self._counters["comm_s"] += job.t_comm
         self._counters["compress_s"] += job.t_proc
@@ -394,8 +393,8 @@ class SlimGC(KVStoreBase):
             "compressor": self.config.compressor,
             "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
             "comm_threshold_phase": self._cttab.phase if self._cttab else None,
-            "bytes_pushed": c["pushed"],
-            "bytes_pulled": c["pulled"],
+            "bytes_pushed": c["wire"],
+            "bytes_pulled": c["wire"],
             "bytes_fp32": c["fp32"],
             "transfers": c["transfers"],
             "compressed_transfers": c["compressed_transfers"],

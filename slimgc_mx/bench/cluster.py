@@ -788,15 +788,15 @@ def merge_repeats(records: List[dict], configs: List[str]) -> List[dict]:
     rows = []
     for name in configs:
         mine = [r for r in records if r["config"] == name]
-        ok = sorted((r for r in mine if r.get("ok") and r.get("samples_per_s_per_worker")),
-                    key=lambda r: r["samples_per_s_per_worker"])
+        runs = [r for r in mine if r.get("ok") and r.get("samples_per_s_per_worker")]
+        ok = sorted(runs, key=lambda r: r["samples_per_s_per_worker"])
         if not ok:
             rows.append(dict(mine[0], runs_ok=0, runs=len(mine)))
             continue
         row = dict(ok[(len(ok) - 1) // 2])
         row["runs_ok"], row["runs"] = len(ok), len(mine)
-        row["samples_per_s_runs"] = [r["samples_per_s_per_worker"] for r in mine if r.get("ok")]
-        row["comm_threshold_runs"] = [r.get("comm_threshold_bytes") for r in mine if r.get("ok")]
+        row["samples_per_s_runs"] = [r["samples_per_s_per_worker"] for r in runs]
+        row["comm_threshold_runs"] = [r.get("comm_threshold_bytes") for r in runs]
         rows.append(row)
     return rows
 
