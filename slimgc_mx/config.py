@@ -25,6 +25,8 @@ class SlimGCConfig:
     comm_threshold  'auto' (warm-up builds the CTTab), a size in bytes (tensors of at least
                     that many bytes are compressed), or 'off' (compress every tensor)
     warmup_steps    warm-up steps of the CTTab (alternating compressed / full precision)
+    cttab_rule      how BestCT is read from the CTTab: 'fit' (times of a link fitted to
+                    all transfers) or 'measured' (each size's own times, as in the paper)
     backup          model backup: loc_buf/glo_buf, the next step starts before aggregation ends
     offload         encode/decode on CPU threads with the Cython codecs (else NDArray ops)
     loc_lr          learning rate of the local update (default: the global optimizer's)
@@ -38,6 +40,7 @@ class SlimGCConfig:
     threshold: float = 0.5
     comm_threshold: Union[str, int] = "auto"
     warmup_steps: int = 20
+    cttab_rule: str = "fit"
     backup: bool = True
     offload: bool = True
     loc_lr: Optional[float] = None
@@ -88,6 +91,8 @@ class SlimGCConfig:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 2:
             raise ValueError("warmup_steps must be an integer >= 2 (one compressed and one "
                              "full-precision step per key), got %r" % (self.warmup_steps,))
+        if self.cttab_rule not in ("fit", "measured"):
+            raise ValueError("cttab_rule must be 'fit' or 'measured', got %r" % (self.cttab_rule,))
         if self.loc_lr is not None and not (math.isfinite(self.loc_lr) and self.loc_lr > 0):
             raise ValueError("loc_lr must be a positive finite number, got %r" % (self.loc_lr,))
         if self.num_threads is not None and (not isinstance(self.num_threads, int)

@@ -99,11 +99,11 @@ class SlimGC(KVStoreBase):
         cfg = self.config
         if cfg.compressor == "none":
             self._codec = None
-            self._cttab = CTTab(NEVER, cfg.warmup_steps)
+            self._cttab = CTTab(NEVER, cfg.warmup_steps, cfg.cttab_rule)
         else:
             self._codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
                                         num_threads=cfg.num_threads)
-            self._cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps)
+            self._cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule)
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
                                          lanes=self._lane_format()))
         engine = EngineNotifier()
@@ -254,7 +254,7 @@ class SlimGC(KVStoreBase):
         self._counters["compress_s"] += job.t_proc
         self._counters["transfers"] += 1
         self._counters["compressed_transfers"] += int(job.compressed)
-        self._cttab.record(key, b.nbytes, job.compressed, job.t_comm, job.t_proc)
+        self._cttab.record(key, b.nbytes, job.compressed, job.t_comm, job.t_proc, send.nbytes)
         if opt_settings is None:
             self._backup.publish(key, job.step, lambda glo: None, local)
             return
@@ -270,8 +270,7 @@ class SlimGC(KVStoreBase):
     def _decide_threshold(self):
         """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT."""
         self._pipeline.wait_idle(self.config.timeout)
-        rows = self._cttab.build()
-        mine = CTTab.choose(rows)
+        mine = self._cttab.decide()
         votes = self._transport.allgather([-1.0 if mine == NEVER else float(mine)])
         chosen = votes[0, 0]
         self._cttab.adopt(NEVER if chosen < 0 else int(chosen))
@@ -402,6 +401,8 @@ class SlimGC(KVStoreBase):
             "compress_s": c["compress_s"],
             "blocked_s": self._backup.blocked_s if self._backup else 0.0,
             "cttab": list(self._cttab.rows) if self._cttab else [],
+            "cttab_rule": self._cttab.rule if self._cttab else None,
+            "cttab_link": self._cttab.link if self._cttab else None,
         }
 
     @property

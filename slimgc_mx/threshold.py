@@ -5,6 +5,13 @@ steps) transfers; each transfer's time is recorded. The table then gives per
 tensor size t_c, t_c^q, t_p^q and the benefit ratio t_c / (t_c^q + t_p^q), and
 BestCT is the threshold from which compression pays. Afterwards the router sends
 size < BestCT in full precision and the rest compressed.
+
+Two rules pick BestCT from the table. 'measured' compares each row's measured
+t_c with t_c^q + t_p^q, as the paper does. 'fit' (the default) first fits one
+link, t = latency + wire bytes / bandwidth, to the transfers of both routes,
+and compares the fitted times: on a host whose cores are shared with training,
+two identical small transfers can differ tenfold, and the fit keeps that noise
+from deciding (docs/results.md shows such tables).
 """
 import csv
 import io
@@ -23,13 +30,18 @@ class CTTab:
 
     mode: 'auto' (measure, then decide), 'off' (compress every tensor), or a
     number of bytes (fixed threshold, no warm-up; NEVER sends everything in full precision).
+    rule: 'fit' or 'measured', how BestCT is read from the table (see the module doc).
     """
 
-    def __init__(self, mode="auto", warmup_steps=20):
+    def __init__(self, mode="auto", warmup_steps=20, rule="fit"):
+        if rule not in RULES:
+            raise ValueError("unknown CTTab rule %r; valid: %s" % (rule, ", ".join(RULES)))
         self.mode = mode
         self.warmup_steps = warmup_steps
-        self._samples = {}  # key -> {"nbytes": int, "fp": [t_c...], "q": [t_c^q...], "proc": [t_p^q...]}
+        self.rule = rule
+        self._samples = {}  # key -> {"nbytes", "wire_q", "fp": [t_c..], "q": [t_c^q..], "proc": [t_p^q..]}
         self.rows = []
+        self.link = None  # the fitted {"latency_s", "bandwidth_Bps"} once the table is built
         if mode == "auto":
             self.phase = "warmup"
             self.best_ct = None
@@ -47,25 +59,34 @@ class CTTab:
         """True when the warm-up is over and the table must be built before `step` is routed."""
         return self.phase == "warmup" and step >= self.warmup_steps
 
-    def record(self, key, nbytes, compressed, t_comm, t_proc=0.0):
-        """Record one warm-up transfer: comm time, and encode+decode time if compressed."""
+    def record(self, key, nbytes, compressed, t_comm, t_proc=0.0, wire_bytes=None):
+        """Record one warm-up transfer: comm time, and encode+decode time if compressed.
+
+        wire_bytes: bytes the compressed transfer sent (its lanes); the fit needs it.
+        """
         if self.phase != "warmup":
             return
-        s = self._samples.setdefault(key, {"nbytes": nbytes, "fp": [], "q": [], "proc": []})
+        s = self._samples.setdefault(key, {"nbytes": nbytes, "wire_q": None, "fp": [], "q": [],
+                                           "proc": []})
         if compressed:
             s["q"].append(t_comm)
             s["proc"].append(t_proc)
+            if wire_bytes is not None:
+                s["wire_q"] = wire_bytes
         else:
             s["fp"].append(t_comm)
 
     def build(self):
-        """Average the samples (median, to damp network noise) into rows sorted by size."""
+        """Average the samples (median, to damp network noise) into rows sorted by size.
+
+        Each row also gets the fitted times fit_t_c and fit_t_q (see fit_link).
+        """
         by_size = {}
         for s in self._samples.values():
             if s["fp"] and s["q"]:
                 by_size.setdefault(s["nbytes"], []).append(
                     (statistics.median(s["fp"]), statistics.median(s["q"]),
-                     statistics.median(s["proc"])))
+                     statistics.median(s["proc"]), s["wire_q"]))
         rows = []
         for nbytes in sorted(by_size):
             entries = by_size[nbytes]
@@ -73,31 +94,43 @@ class CTTab:
             t_cq = sum(e[1] for e in entries) / len(entries)
             t_pq = sum(e[2] for e in entries) / len(entries)
             t_q = t_cq + t_pq
-            rows.append({"size": nbytes, "tensors": len(entries), "t_c": t_c, "t_c_q": t_cq,
-                         "t_p_q": t_pq, "t_q": t_q,
+            wire_q = entries[0][3]
+            rows.append({"size": nbytes, "tensors": len(entries), "wire_q": wire_q, "t_c": t_c,
+                         "t_c_q": t_cq, "t_p_q": t_pq, "t_q": t_q,
                          "ratio": t_c / t_q if t_q > 0 else math.inf})
+        self.link = fit_link(rows)
+        for r in rows:
+            r.update(_fitted(r, self.link))
         self.rows = rows
         return rows
 
     @staticmethod
-    def choose(rows):
+    def choose(rows, rule="fit"):
         """BestCT: the cut that minimises the table's total time.
 
         Tensors below the cut cost t_c, those at or above it cost t_c^q + t_p^q
-        (each row weighted by its tensor count). With benefit ratios rising with
-        size this is the paper's "smallest size whose ratio > 1"; unlike that
-        rule, one noisy small tensor with ratio > 1 cannot drag the cut down.
-        Ties go to the larger cut (fewer tensors compressed).
+        (each row weighted by its tensor count); rule 'fit' takes both from the
+        fitted link, 'measured' as measured. With benefit ratios rising with size
+        this is the paper's "smallest size whose ratio > 1"; unlike that rule, one
+        noisy small tensor with ratio > 1 cannot drag the cut down. Ties go to the
+        larger cut (fewer tensors compressed).
         """
+        if rule not in RULES:
+            raise ValueError("unknown CTTab rule %r; valid: %s" % (rule, ", ".join(RULES)))
         if not rows:
             return NEVER
+        fp, q = ("fit_t_c", "fit_t_q") if rule == "fit" else ("t_c", "t_q")
         cuts = [r["size"] for r in rows] + [NEVER]
         best, best_cost = NEVER, None
         for cut in reversed(cuts):
-            cost = sum(r["tensors"] * (r["t_c"] if r["size"] < cut else r["t_q"]) for r in rows)
+            cost = sum(r["tensors"] * (r[fp] if r["size"] < cut else r[q]) for r in rows)
             if best_cost is None or cost < best_cost * (1 - 1e-9):
                 best, best_cost = cut, cost
         return best
+
+    def decide(self):
+        """Build the table and read this worker's BestCT from it with the configured rule."""
+        return self.choose(self.build(), self.rule)
 
     def adopt(self, best_ct):
         """Enter the trained phase with the BestCT every worker agreed on."""
@@ -106,29 +139,38 @@ class CTTab:
         log.info("CTTab: BestCT = %s\n%s", format_bytes(best_ct), self.format_table())
 
     def state_dict(self):
-        return {"mode": self.mode, "warmup_steps": self.warmup_steps, "phase": self.phase,
-                "best_ct": self.best_ct, "rows": self.rows}
+        return {"mode": self.mode, "warmup_steps": self.warmup_steps, "rule": self.rule,
+                "phase": self.phase, "best_ct": self.best_ct, "rows": self.rows,
+                "link": self.link}
 
     def load_state_dict(self, state):
         self.phase = state["phase"]
         self.best_ct = state["best_ct"]
         self.rows = list(state["rows"])
+        self.link = state.get("link")
 
     def format_table(self):
         """The table as the paper prints it (Fig. 6), one row per tensor size."""
-        head = "%12s %7s %10s %10s %10s %10s %7s" % (
-            "size", "tensors", "t_c(ms)", "t_c^q(ms)", "t_p^q(ms)", "t^q(ms)", "ratio")
+        head = "%12s %7s %10s %10s %10s %10s %7s %10s %10s" % (
+            "size", "tensors", "t_c(ms)", "t_c^q(ms)", "t_p^q(ms)", "t^q(ms)", "ratio",
+            "fit t_c", "fit t^q")
         lines = [head]
         for r in self.rows:
             mark = " <- BestCT" if r["size"] == self.best_ct else ""
-            lines.append("%12s %7d %10.3f %10.3f %10.3f %10.3f %7.2f%s" % (
+            lines.append("%12s %7d %10.3f %10.3f %10.3f %10.3f %7.2f %10.3f %10.3f%s" % (
                 format_bytes(r["size"]), r["tensors"], r["t_c"] * 1e3, r["t_c_q"] * 1e3,
-                r["t_p_q"] * 1e3, r["t_q"] * 1e3, r["ratio"], mark))
+                r["t_p_q"] * 1e3, r["t_q"] * 1e3, r["ratio"], r["fit_t_c"] * 1e3,
+                r["fit_t_q"] * 1e3, mark))
+        if self.link is not None:
+            lines.append("rule %s; fitted link: latency %.3f ms, bandwidth %s/s"
+                         % (self.rule, self.link["latency_s"] * 1e3,
+                            format_bytes(self.link["bandwidth_Bps"])))
         return "\n".join(lines)
 
     def to_csv(self):
         out = io.StringIO()
-        fields = ["size", "tensors", "t_c", "t_c_q", "t_p_q", "t_q", "ratio"]
+        fields = ["size", "tensors", "wire_q", "t_c", "t_c_q", "t_p_q", "t_q", "ratio", "fit_t_c",
+                  "fit_t_q"]
         writer = csv.DictWriter(out, fieldnames=fields)
         writer.writeheader()
         for r in self.rows:
@@ -137,7 +179,8 @@ class CTTab:
 
     def to_json(self):
         best = None if self.best_ct == NEVER else self.best_ct
-        return json.dumps({"best_ct": best, "rows": self.rows}, indent=1)
+        return json.dumps({"best_ct": best, "rule": self.rule, "link": _json_link(self.link),
+                           "rows": self.rows}, indent=1)
 
     def save(self, prefix):
         """Write PREFIX.csv and PREFIX.json."""
@@ -145,6 +188,44 @@ class CTTab:
             f.write(self.to_csv())
         with open(prefix + ".json", "w") as f:
             f.write(self.to_json())
+
+
+RULES = ("fit", "measured")
+
+
+def fit_link(rows):
+    """Least-squares fit of t = latency + bytes / bandwidth to both routes' row medians.
+
+    Points: (size, t_c) and (wire_q, t_c^q) per row. Both routes share one link,
+    so only the slope decides; a slope <= 0 (no sign that bytes cost time) gives
+    infinite bandwidth, and then compression never pays.
+    """
+    points = [(r["size"], r["t_c"]) for r in rows]
+    points += [(r["wire_q"], r["t_c_q"]) for r in rows if r["wire_q"] is not None]
+    if len({x for x, _ in points}) < 2:
+        return {"latency_s": 0.0, "bandwidth_Bps": NEVER}
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (t - mean_t) for x, t in points) / var
+    if slope <= 0:
+        return {"latency_s": max(0.0, mean_t), "bandwidth_Bps": NEVER}
+    return {"latency_s": max(0.0, mean_t - slope * mean_x), "bandwidth_Bps": 1.0 / slope}
+
+
+def _fitted(row, link):
+    """fit_t_c and fit_t_q of one row on the fitted link (the codec time t_p^q as measured)."""
+    per_byte = 0.0 if link["bandwidth_Bps"] == NEVER else 1.0 / link["bandwidth_Bps"]
+    wire_q = row["wire_q"] if row["wire_q"] is not None else row["size"]
+    return {"fit_t_c": link["latency_s"] + per_byte * row["size"],
+            "fit_t_q": link["latency_s"] + per_byte * wire_q + row["t_p_q"]}
+
+
+def _json_link(link):
+    if link is None:
+        return None
+    bw = link["bandwidth_Bps"]
+    return {"latency_s": link["latency_s"], "bandwidth_Bps": None if bw == NEVER else bw}
 
 
 def format_bytes(n):

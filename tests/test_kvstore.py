@@ -247,7 +247,7 @@ def test_every_worker_adopts_rank0s_threshold(monkeypatch):
     """Workers that would choose differently still agree: rank 0's BestCT is broadcast."""
     from slimgc_mx import threshold
 
-    def per_thread_choice(rows):
+    def per_thread_choice(rows, rule="fit"):
         return 4096 if threading.current_thread().name.endswith("0") else 8
 
     monkeypatch.setattr(threshold.CTTab, "choose", staticmethod(per_thread_choice))

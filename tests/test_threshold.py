@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from slimgc_mx.threshold import CTTab, NEVER, format_bytes
+from slimgc_mx.threshold import CTTab, NEVER, fit_link, format_bytes
 
 
 def _row(size, t_c, t_q, tensors=1):
-    return {"size": size, "tensors": tensors, "t_c": t_c, "t_c_q": t_q, "t_p_q": 0.0,
-            "t_q": t_q, "ratio": t_c / t_q}
+    return {"size": size, "tensors": tensors, "wire_q": None, "t_c": t_c, "t_c_q": t_q,
+            "t_p_q": 0.0, "t_q": t_q, "ratio": t_c / t_q}
 
 
 def test_warmup_alternates_compressed_and_full_precision():
@@ -33,20 +33,75 @@ def test_choose_is_the_paper_rule_on_a_monotone_table():
     # The paper's example (Fig. 6): ratios 0.93, 0.96, 1.15, 1.65 -> BestCT = 2.2 MB.
     rows = [_row(1_000_000, 28.5, 30.6), _row(1_600_000, 30.5, 31.8),
             _row(2_200_000, 40.2, 35.1), _row(4_000_000, 75.5, 45.8)]
-    assert CTTab.choose(rows) == 2_200_000
+    assert CTTab.choose(rows, "measured") == 2_200_000
 
 
 def test_choose_ignores_one_noisy_small_tensor():
     rows = [_row(100, 1.0, 2.0), _row(200, 1.1, 1.0), _row(300, 1.0, 2.0, tensors=5),
             _row(10_000, 5.0, 2.0), _row(20_000, 9.0, 3.0)]
     # First ratio > 1 is at 200 B, but compressing 200..300 costs more than it saves.
-    assert CTTab.choose(rows) == 10_000
+    assert CTTab.choose(rows, "measured") == 10_000
 
 
 def test_choose_extremes():
     assert CTTab.choose([]) == NEVER
-    assert CTTab.choose([_row(10, 1.0, 2.0), _row(20, 1.0, 3.0)]) == NEVER
-    assert CTTab.choose([_row(10, 3.0, 2.0), _row(20, 5.0, 3.0)]) == 10
+    assert CTTab.choose([_row(10, 1.0, 2.0), _row(20, 1.0, 3.0)], "measured") == NEVER
+    assert CTTab.choose([_row(10, 3.0, 2.0), _row(20, 5.0, 3.0)], "measured") == 10
+    with pytest.raises(ValueError, match="unknown CTTab rule 'paper'"):
+        CTTab.choose([], "paper")
+
+
+def _record_link(tab, sizes, latency, bandwidth, proc, noise=lambda key, step: 0.0, steps=4):
+    """Warm-up samples of keys of `sizes` bytes on a link; 2bit-like lanes of 1/16 the bytes."""
+    for step in range(steps):
+        for key, size in enumerate(sizes):
+            compressed = step % 2 == 0
+            wire = size // 16 if compressed else size
+            t = latency + wire / bandwidth + noise(key, step)
+            tab.record(key, size, compressed, t, proc(size) if compressed else 0.0,
+                       wire if compressed else None)
+
+
+def test_fit_recovers_the_link_and_its_crossover():
+    # 1 ms latency, 100 MB/s, codec 0.2 ms + 1 ns/byte: compression pays once
+    # size * 15/16 / 100e6 > 0.2 ms + size * 1e-9, i.e. from about 22 KB.
+    tab = CTTab("auto", warmup_steps=4)
+    sizes = [1_000, 4_000, 16_000, 32_000, 128_000, 1_000_000]
+    _record_link(tab, sizes, 1e-3, 100e6, lambda n: 2e-4 + n * 1e-9)
+    rows = tab.build()
+    assert tab.link["bandwidth_Bps"] == pytest.approx(100e6, rel=1e-6)
+    assert tab.link["latency_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert [r["fit_t_c"] for r in rows] == pytest.approx([r["t_c"] for r in rows])
+    assert tab.decide() == 32_000
+    assert CTTab.choose(rows, "measured") == 32_000  # no noise: both rules agree
+
+
+def test_fit_ignores_noisy_small_transfers_that_fool_the_measured_rule():
+    # Contended host: the full-precision transfers of small tensors happened to run
+    # 10 ms slower than their compressed ones; bytes cost almost nothing (10 GB/s).
+    tab = CTTab("auto", warmup_steps=4)
+    sizes = [64] * 14 + [256] * 14 + [147_456] * 5
+
+    def noise(key, step):
+        return 0.010 if sizes[key] < 1000 and step % 2 == 1 else 0.0
+
+    _record_link(tab, sizes, 2e-3, 10e9, lambda n: 2e-4 + n * 4e-9, noise)
+    rows = tab.build()
+    assert CTTab.choose(rows, "measured") == 64  # noise decides: compress everything
+    assert tab.decide() == NEVER  # the fit: 138 KB saved at 10 GB/s is 14 us < 0.8 ms codec
+
+
+def test_fit_without_a_bandwidth_signal_never_compresses():
+    rows = [_row(100, 5.0, 1.0), _row(10_000, 1.0, 1.0)]
+    rows[0]["wire_q"], rows[1]["wire_q"] = 10, 1_000
+    link = fit_link(rows)  # the larger transfers were faster: slope < 0
+    assert link["bandwidth_Bps"] == NEVER
+    assert fit_link([_row(100, 1.0, 1.0)]) == {"latency_s": 0.0, "bandwidth_Bps": NEVER}
+
+
+def test_unknown_rule_is_rejected():
+    with pytest.raises(ValueError, match="valid: fit, measured"):
+        CTTab("auto", rule="fastest")
 
 
 def test_build_uses_medians_and_groups_equal_sizes():
@@ -70,8 +125,8 @@ def test_adopt_switches_routing_and_outputs(tmp_path):
     tab = CTTab("auto", warmup_steps=2)
     for key, size, tc, tq in (("s", 40, 1.0, 2.0), ("l", 4_000_000, 9.0, 2.0)):
         tab.record(key, size, False, tc)
-        tab.record(key, size, True, tq, 0.0)
-    best = CTTab.choose(tab.build())
+        tab.record(key, size, True, tq, 0.1, size // 16)
+    best = tab.decide()
     tab.adopt(best)
     assert best == 4_000_000 and tab.phase == "trained"
     assert not tab.compressed(40, 2) and tab.compressed(4_000_000, 3)
@@ -84,7 +139,8 @@ def test_adopt_switches_routing_and_outputs(tmp_path):
     state = tab.state_dict()
     again = CTTab("auto", warmup_steps=2)
     again.load_state_dict(state)
-    assert again.phase == "trained" and again.best_ct == best
+    assert again.phase == "trained" and again.best_ct == best and again.link == tab.link
+    assert "fitted link" in tab.format_table() and data["rule"] == "fit"
 
 
 def test_format_bytes():

@@ -152,6 +152,9 @@ def cttab(summary, path, config=None):
     ax.plot(sizes, [t["t_c"] * 1e3 for t in tab], "o-", label="t_c (full precision)")
     ax.plot(sizes, [t["t_c_q"] * 1e3 for t in tab], "s-", label="t_c^q (compressed transfer)")
     ax.plot(sizes, [t["t_q"] * 1e3 for t in tab], "^-", label="t^q = t_c^q + t_p^q")
+    if all("fit_t_c" in t for t in tab):  # the fitted link the 'fit' rule decides on
+        ax.plot(sizes, [t["fit_t_c"] * 1e3 for t in tab], "--", color="C0", label="t_c fitted")
+        ax.plot(sizes, [t["fit_t_q"] * 1e3 for t in tab], "--", color="C2", label="t^q fitted")
     ct = r.get("comm_threshold_bytes")
     if ct:
         ax.axvline(ct, color="r", ls="--", label="BestCT %s" % _bytes(ct))
