@@ -80,13 +80,15 @@ class ModelBackup:
         return self._slots[key].version
 
     def local_step(self, key, step, grad, loc_bufs, local_update):
-        """Training thread, backup on: loc_buf = glo_step - loc_lr * grad, flag 0 -> 1."""
+        """Training thread, backup on: loc_buf = glo_step - loc_lr * grad, flag 0 -> 1.
+
+        `local_update(grad, glo_buf, out)` writes the locally updated weights into `out`.
+        """
         slot = self._slots[key]
         self.wait_version(key, step)
         slot.loc_bufs = loc_bufs
         first = loc_bufs[0]
-        slot.glo_buf.copyto(first)
-        local_update(grad, first)
+        local_update(grad, slot.glo_buf, first)
         for other in loc_bufs[1:]:
             first.copyto(other)
         with self._cond:
@@ -256,6 +258,11 @@ class LocalUpdater:
     worker). It keeps no recursion of its own, so it is as stable as the global
     optimizer. `loc_optimizer` (a name) instead runs that optimizer with its own
     state; `loc_lr` replaces the learning rate.
+
+    For MXNet's SGD (the paper's optimizer) the default rule runs as one fused
+    op from glo_buf into the parameters, with the momentum copied into a
+    per-key scratch array: no weight copy, no allocation, no Python optimizer
+    call per key and step.
     """
 
     def __init__(self, global_optimizer, num_workers, loc_lr=None, loc_optimizer=None,
@@ -272,22 +279,52 @@ class LocalUpdater:
                                       param_dict=global_optimizer.param_dict)
         self.optimizer = opt
         self._updater = mx.optimizer.get_updater(opt)
+        self.fused = self._global_updater is not None and type(opt) is mx.optimizer.SGD
+        self._momentum = {}  # index -> scratch copy of the global momentum (fused SGD)
 
-    def __call__(self, index, grad, weight):
+    def __call__(self, index, grad, glo, out):
+        """out <- glo after one local step with `grad` (glo itself is not written)."""
         opt = self.optimizer
         opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
         opt.rescale_grad = self._global.rescale_grad * self._num_workers
         source = self._global_updater
-        if source is not None:
-            glo_opt = source.optimizer
-            opt._index_update_count[index] = glo_opt._index_update_count.get(
-                index, glo_opt.begin_num_update)
-            if index in source.states:
-                self._updater.states[index] = _copy_state(source.states[index])
-                self._updater.states_synced[index] = True
-            else:
-                self._updater.states.pop(index, None)
-        self._updater(index, grad, weight)
+        if source is None:
+            glo.copyto(out)
+            self._updater(index, grad, out)
+            return
+        glo_opt = source.optimizer
+        opt._index_update_count[index] = glo_opt._index_update_count.get(
+            index, glo_opt.begin_num_update)
+        if self.fused:
+            self._fused_sgd(index, grad, glo, out, source.states.get(index))
+            return
+        if index in source.states:
+            self._updater.states[index] = _copy_state(source.states[index])
+            self._updater.states_synced[index] = True
+        else:
+            self._updater.states.pop(index, None)
+        glo.copyto(out)
+        self._updater(index, grad, out)
+
+    def _fused_sgd(self, index, grad, glo, out, global_momentum):
+        """SGD's own update op, reading glo and writing out, on a copy of the global momentum."""
+        opt = self.optimizer
+        opt._update_count(index)
+        kwargs = {"num_weights": 1, "lrs": opt._get_lrs([index]), "wds": opt._get_wds([index]),
+                  "rescale_grad": opt.rescale_grad}
+        if opt.clip_gradient:
+            kwargs["clip_gradient"] = opt.clip_gradient
+        if opt.momentum <= 0:
+            mx.nd.multi_sgd_update(glo, grad, out=[out], **kwargs)
+            return
+        mom = self._momentum.get(index)
+        if mom is None:
+            mom = self._momentum[index] = mx.nd.zeros(glo.shape, glo.context, dtype=glo.dtype)
+        if global_momentum is None:  # the global update has not run yet: momentum is zero
+            mom[:] = 0
+        else:
+            global_momentum.copyto(mom)
+        mx.nd.multi_sgd_mom_update(glo, grad, mom, out=[out], momentum=opt.momentum, **kwargs)
 
 
 def _copy_state(state):

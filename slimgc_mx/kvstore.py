@@ -12,6 +12,7 @@ import os
 import pickle
 import sys
 import weakref
+from functools import partial
 
 import mxnet as mx
 import numpy as np
@@ -194,8 +195,7 @@ class SlimGC(KVStoreBase):
         grad.copyto(b.grad_buf.nd)
         local = backup.enabled and outs is not None
         if local:
-            backup.local_step(key, step, grad, outs,
-                              lambda g, w: self._local_update(b.index, g, w))
+            backup.local_step(key, step, grad, outs, partial(self._local_update_ready(), b.index))
         opt = self._optimizer
         self._submit(key, b, step, grad, (opt.lr, opt.wd, opt.rescale_grad, opt.param_dict),
                      local)
@@ -239,9 +239,6 @@ class SlimGC(KVStoreBase):
             self._local_updater = LocalUpdater(self._optimizer, self.num_workers,
                                                cfg.loc_lr, cfg.loc_optimizer, self._glo_updater)
         return self._local_updater
-
-    def _local_update(self, index, grad, weight):
-        self._local_update_ready()(index, grad, weight)
 
     def _finish(self, job):
         """Aggregation thread: account, record timings, update glo_buf, publish."""
@@ -402,7 +399,7 @@ class SlimGC(KVStoreBase):
             "blocked_s": self._backup.blocked_s if self._backup else 0.0,
             "cttab": list(self._cttab.rows) if self._cttab else [],
             "cttab_rule": self._cttab.rule if self._cttab else None,
-            "cttab_link": self._cttab.link if self._cttab else None,
+            "cttab_link": self._cttab.link_report() if self._cttab else None,
         }
 
     @property

@@ -26,7 +26,7 @@ def _sub(delta):
 def test_local_step_writes_loc_buf_and_sets_the_flag():
     b = _backup()
     loc = [mx.nd.zeros(3), mx.nd.zeros(3)]
-    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, w: w.__isub__(0.5 * g))
+    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, glo, w: (glo - 0.5 * g).copyto(w))
     for arr in loc:
         np.testing.assert_allclose(arr.asnumpy(), [0.5, 1.5, 2.5])
     assert b._slots["w"].flag == 1
@@ -44,7 +44,7 @@ def test_publish_waits_for_the_flag_then_clears_it():
     threading.Thread(target=aggregation_thread, daemon=True).start()
     time.sleep(0.2)
     assert not done.is_set() and b.version("w") == 0  # glo_buf not overwritten before the flag
-    b.local_step("w", 0, mx.nd.zeros(3), [mx.nd.zeros(3)], lambda g, w: None)
+    b.local_step("w", 0, mx.nd.zeros(3), [mx.nd.zeros(3)], lambda g, glo, w: None)
     assert done.wait(5)
     assert b.version("w") == 1 and b._slots["w"].flag == 0
     np.testing.assert_allclose(b.glo_buf("w").asnumpy(), [0.0, 1.0, 2.0])
@@ -126,7 +126,7 @@ def test_fail_wakes_waiters_with_the_cause():
 def test_flush_and_state_round_trip():
     b = _backup()
     loc = [mx.nd.zeros(3)]
-    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, w: w.__isub__(g))
+    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, glo, w: (glo - g).copyto(w))
     b.publish("w", 0, _sub(2.0), local_step_done=True)
     b.flush()
     np.testing.assert_allclose(loc[0].asnumpy(), [-1.0, 0.0, 1.0])
@@ -137,21 +137,51 @@ def test_flush_and_state_round_trip():
     np.testing.assert_array_equal(other.glo_buf("w").asnumpy(), b.glo_buf("w").asnumpy())
 
 
+def _local(updater, grad, glo):
+    out = mx.nd.zeros(glo.shape)
+    updater(0, grad, glo, out)
+    return out.asnumpy()
+
+
 def test_local_updater_follows_the_global_lr_unless_loc_lr_is_set():
     opt = mx.optimizer.SGD(learning_rate=0.1, rescale_grad=0.5)
-    w = mx.nd.ones(2)
-    LocalUpdater(opt, num_workers=2)(0, mx.nd.ones(2), w)
-    np.testing.assert_allclose(w.asnumpy(), 1 - 0.1 * 0.5 * 2)  # gradient scaled by N
+    ones = mx.nd.ones(2)
+    np.testing.assert_allclose(_local(LocalUpdater(opt, num_workers=2), ones, ones),
+                               1 - 0.1 * 0.5 * 2)  # gradient scaled by N
     opt.lr = 0.2  # e.g. Trainer.set_learning_rate
-    w = mx.nd.ones(2)
-    LocalUpdater(opt, num_workers=1)(0, mx.nd.ones(2), w)
-    np.testing.assert_allclose(w.asnumpy(), 1 - 0.2 * 0.5)
-    w = mx.nd.ones(2)
-    LocalUpdater(opt, num_workers=1, loc_lr=0.01)(0, mx.nd.ones(2), w)
-    np.testing.assert_allclose(w.asnumpy(), 1 - 0.01 * 0.5, rtol=1e-6)
-    w = mx.nd.ones(2)
-    LocalUpdater(opt, num_workers=1, loc_optimizer="sgd", loc_lr=1.0)(0, mx.nd.ones(2), w)
-    np.testing.assert_allclose(w.asnumpy(), 1 - 1.0 * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(_local(LocalUpdater(opt, num_workers=1), ones, ones), 1 - 0.2 * 0.5)
+    np.testing.assert_allclose(_local(LocalUpdater(opt, num_workers=1, loc_lr=0.01), ones, ones),
+                               1 - 0.01 * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(
+        _local(LocalUpdater(opt, num_workers=1, loc_optimizer="sgd", loc_lr=1.0), ones, ones),
+        1 - 1.0 * 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_sgd_local_update_equals_the_optimizer_step(momentum):
+    """The fused op gives what copying glo_buf and running MXNet's SGD on it gives."""
+    rng = np.random.RandomState(0)
+    params = {0: mx.gluon.Parameter("w", shape=(50,), lr_mult=0.5, wd_mult=2.0)}
+    opt = mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
+                           clip_gradient=2.0, param_dict=params,
+                           lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
+    glo_updater = mx.optimizer.get_updater(clone_optimizer(opt))
+    fused = LocalUpdater(opt, 2, global_updater=glo_updater)
+    plain = LocalUpdater(opt, 2, global_updater=glo_updater)
+    plain.fused = False
+    assert fused.fused
+    glo = mx.nd.array(rng.randn(50))
+    for _ in range(4):  # global steps build momentum and advance the lr schedule
+        grad = mx.nd.array(rng.randn(50) * 3)
+        a, b = _local(fused, grad, glo), _local(plain, grad, glo)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert not np.allclose(a, glo.asnumpy())
+        glo_updater(0, mx.nd.array(rng.randn(50)), glo)
+    mom = glo_updater.states.get(0)
+    before = None if mom is None else mom.asnumpy().copy()
+    _local(fused, mx.nd.ones(50), glo)
+    if before is not None:  # the global momentum is read, never written
+        np.testing.assert_array_equal(glo_updater.states[0].asnumpy(), before)
 
 
 def test_clone_optimizer_has_its_own_counters():
