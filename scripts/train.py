@@ -378,7 +378,7 @@ def write_json(result, path):
     if path is None:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
+    tmp = "%s.tmp%d" % (path, os.getpid())  # workers of a no-comm run share the path
     with open(tmp, "w") as f:
         json.dump(result, f, indent=2, default=_json_default)
     os.replace(tmp, path)

@@ -179,8 +179,15 @@ class CTTab:
 
     def to_json(self):
         best = None if self.best_ct == NEVER else self.best_ct
-        return json.dumps({"best_ct": best, "rule": self.rule, "link": _json_link(self.link),
+        return json.dumps({"best_ct": best, "rule": self.rule, "link": self.link_report(),
                            "rows": self.rows}, indent=1)
+
+    def link_report(self):
+        """The fitted link for JSON: bandwidth None when no bandwidth cost was seen."""
+        if self.link is None:
+            return None
+        bw = self.link["bandwidth_Bps"]
+        return {"latency_s": self.link["latency_s"], "bandwidth_Bps": None if bw == NEVER else bw}
 
     def save(self, prefix):
         """Write PREFIX.csv and PREFIX.json."""
@@ -219,13 +226,6 @@ def _fitted(row, link):
     wire_q = row["wire_q"] if row["wire_q"] is not None else row["size"]
     return {"fit_t_c": link["latency_s"] + per_byte * row["size"],
             "fit_t_q": link["latency_s"] + per_byte * wire_q + row["t_p_q"]}
-
-
-def _json_link(link):
-    if link is None:
-        return None
-    bw = link["bandwidth_Bps"]
-    return {"latency_s": link["latency_s"], "bandwidth_Bps": None if bw == NEVER else bw}
 
 
 def format_bytes(n):

@@ -327,6 +327,7 @@ def run_job(argv: List[str]) -> int:
     rec["history"] = result.get("history")
     stats = result.get("kvstore_stats") or {}
     rec["cttab"] = stats.get("cttab")
+    rec["cttab_link"] = stats.get("cttab_link")
     rec["comm_threshold_bytes"] = stats.get("comm_threshold_bytes")
     rec["comm_threshold_phase"] = stats.get("comm_threshold_phase")
     rec["model"] = result.get("model")
@@ -495,6 +496,7 @@ def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
     out["final_test_acc"] = {p["launch_index"]: p.get("final_test_acc") for p in probes}
     out["history"] = root.get("history")
     out["cttab"] = root.get("cttab")
+    out["cttab_link"] = root.get("cttab_link")
     out["comm_threshold_bytes"] = root.get("comm_threshold_bytes")
     out["comm_threshold_phase"] = root.get("comm_threshold_phase")
     if opts.mode != "throughput":
