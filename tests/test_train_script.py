@@ -81,3 +81,16 @@ def test_bad_arguments(args, needle):
 def test_dist_sync_without_job_environment_explains():
     r = _run("--kvstore", "dist_sync", "--epochs", "1")
     assert r.returncode != 0 and "DMLC_" in r.stderr
+
+
+def test_per_key_cost_reports_every_operation():
+    cost = os.path.join(ROOT, "scripts", "per_key_cost.py")
+    out = subprocess.run([sys.executable, cost, "--elements", "8", "--calls", "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines()[1:] if line.strip()]
+    assert len(rows) == 6 and any(r.startswith("local update (fused SGD)") for r in rows)
+    assert all(float(r.split()[-1]) > 0 for r in rows)  # wall microseconds per call
+    bad = subprocess.run([sys.executable, cost, "--calls", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--calls must be at least 1" in bad.stderr
