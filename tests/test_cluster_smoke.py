@@ -105,6 +105,7 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
     slim_wire = by["slimgc-2bit-full"]["wire_bytes_per_step_per_worker"]["total"]
     assert slim_wire < fp32_wire["total"] / 2
     assert by["slimgc-2bit-full"]["cttab"], "threshold table missing"
+    assert by["slimgc-2bit-full"]["cttab_link"]["latency_s"] >= 0  # the fit BestCT came from
     assert by["fp32"]["samples_per_s_per_worker"] > 0
     # Teardown: no namespace of this harness outlives the run.
     mine = "%s%d-" % (cluster.NS_PREFIX, proc.pid)

@@ -1,7 +1,8 @@
 """PNG plots of the cluster benchmark's summary.json files (throughput, time, CTTab, accuracy).
 
     python -m slimgc_mx.bench.plots --out docs/figures results/cluster/*/summary.json
-Throughput summaries give throughput_*, time_*, wire_*, cttab_*; accuracy summaries accuracy_*.
+Throughput summaries give throughput_F.png, time_F.png, wire_F.png and cttab_F.png, F being
+the summary's result folder (e.g. vgg-2w-1gbit); accuracy summaries accuracy_*.png.
 """
 import argparse
 import json
@@ -298,7 +299,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench.plots"):
         if summary.get("mode") == "accuracy":
             acc.append(summary)
             continue
-        name = _name(summary)
+        name = os.path.basename(os.path.dirname(os.path.abspath(s))) or _name(summary)
         for kind, fn in (("throughput", throughput), ("time", time_split), ("wire", wire),
                          ("cttab", cttab)):
             path = os.path.join(opts.out, "%s_%s.png" % (kind, name))
