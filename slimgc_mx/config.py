@@ -10,6 +10,7 @@ import threading
 from typing import Optional, Union
 
 from . import codecs
+from .threshold import check_rule
 
 ENV_PREFIX = "SLIMGC_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -91,8 +92,7 @@ class SlimGCConfig:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 2:
             raise ValueError("warmup_steps must be an integer >= 2 (one compressed and one "
                              "full-precision step per key), got %r" % (self.warmup_steps,))
-        if self.cttab_rule not in ("fit", "measured"):
-            raise ValueError("cttab_rule must be 'fit' or 'measured', got %r" % (self.cttab_rule,))
+        check_rule(self.cttab_rule)
         if self.loc_lr is not None and not (math.isfinite(self.loc_lr) and self.loc_lr > 0):
             raise ValueError("loc_lr must be a positive finite number, got %r" % (self.loc_lr,))
         if self.num_threads is not None and (not isinstance(self.num_threads, int)

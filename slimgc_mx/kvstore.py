@@ -381,7 +381,8 @@ class SlimGC(KVStoreBase):
 
         comm_s: transfer time summed over keys (transfers overlap each other);
         compress_s: encode + decode time; blocked_s: time the training thread waited
-        for global weights (the communication that was not hidden).
+        for global weights (the communication that was not hidden); cttab_rule and
+        cttab_link: how BestCT was read and the link fitted to the warm-up.
         """
         best = self._cttab.best_ct if self._cttab is not None else None
         c = self._counters

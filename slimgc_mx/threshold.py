@@ -34,8 +34,7 @@ class CTTab:
     """
 
     def __init__(self, mode="auto", warmup_steps=20, rule="fit"):
-        if rule not in RULES:
-            raise ValueError("unknown CTTab rule %r; valid: %s" % (rule, ", ".join(RULES)))
+        check_rule(rule)
         self.mode = mode
         self.warmup_steps = warmup_steps
         self.rule = rule
@@ -98,9 +97,7 @@ class CTTab:
             rows.append({"size": nbytes, "tensors": len(entries), "wire_q": wire_q, "t_c": t_c,
                          "t_c_q": t_cq, "t_p_q": t_pq, "t_q": t_q,
                          "ratio": t_c / t_q if t_q > 0 else math.inf})
-        self.link = fit_link(rows)
-        for r in rows:
-            r.update(_fitted(r, self.link))
+        self.link = fit_rows(rows)
         self.rows = rows
         return rows
 
@@ -115,8 +112,7 @@ class CTTab:
         noisy small tensor with ratio > 1 cannot drag the cut down. Ties go to the
         larger cut (fewer tensors compressed).
         """
-        if rule not in RULES:
-            raise ValueError("unknown CTTab rule %r; valid: %s" % (rule, ", ".join(RULES)))
+        check_rule(rule)
         if not rows:
             return NEVER
         fp, q = ("fit_t_c", "fit_t_q") if rule == "fit" else ("t_c", "t_q")
@@ -200,6 +196,13 @@ class CTTab:
 RULES = ("fit", "measured")
 
 
+def check_rule(rule):
+    """Reject a BestCT rule that is not one of RULES."""
+    if rule not in RULES:
+        raise ValueError("unknown CTTab rule %r (option cttab_rule); valid: %s"
+                         % (rule, ", ".join(RULES)))
+
+
 def fit_link(rows):
     """Least-squares fit of t = latency + bytes / bandwidth to both routes' row medians.
 
@@ -218,6 +221,14 @@ def fit_link(rows):
     if slope <= 0:
         return {"latency_s": max(0.0, mean_t), "bandwidth_Bps": NEVER}
     return {"latency_s": max(0.0, mean_t - slope * mean_x), "bandwidth_Bps": 1.0 / slope}
+
+
+def fit_rows(rows):
+    """Fit the link to `rows` and give each row its fitted times fit_t_c and fit_t_q."""
+    link = fit_link(rows)
+    for r in rows:
+        r.update(_fitted(r, link))
+    return link
 
 
 def _fitted(row, link):

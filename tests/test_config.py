@@ -34,6 +34,7 @@ def test_trainer_compression_params_style():
     ({"comm_threshold": "sometimes"}, "expected 'auto', 'off' or a size in bytes"),
     ({"comm_threshold": -1}, "comm_threshold must be 'auto', 'off' or a non-negative size"),
     ({"warmup_steps": 1}, "warmup_steps must be an integer >= 2"),
+    ({"cttab_rule": "paper"}, "unknown CTTab rule 'paper' (option cttab_rule); valid: fit, measured"),
     ({"num_threads": 0}, "num_threads must be an integer >= 1"),
     ({"loc_lr": -0.1}, "loc_lr must be a positive finite number"),
     ({"compresion": "2bit"}, "unknown SlimGC option 'compresion'; valid: type, compressor"),
