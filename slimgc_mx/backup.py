@@ -288,21 +288,18 @@ class LocalUpdater:
         opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
         opt.rescale_grad = self._global.rescale_grad * self._num_workers
         source = self._global_updater
-        if source is None:
-            glo.copyto(out)
-            self._updater(index, grad, out)
-            return
-        glo_opt = source.optimizer
-        opt._index_update_count[index] = glo_opt._index_update_count.get(
-            index, glo_opt.begin_num_update)
-        if self.fused:
-            self._fused_sgd(index, grad, glo, out, source.states.get(index))
-            return
-        if index in source.states:
-            self._updater.states[index] = _copy_state(source.states[index])
-            self._updater.states_synced[index] = True
-        else:
-            self._updater.states.pop(index, None)
+        if source is not None:
+            glo_opt = source.optimizer
+            opt._index_update_count[index] = glo_opt._index_update_count.get(
+                index, glo_opt.begin_num_update)
+            if self.fused:
+                self._fused_sgd(index, grad, glo, out, source.states.get(index))
+                return
+            if index in source.states:
+                self._updater.states[index] = _copy_state(source.states[index])
+                self._updater.states_synced[index] = True
+            else:
+                self._updater.states.pop(index, None)
         glo.copyto(out)
         self._updater(index, grad, out)
 

@@ -19,11 +19,6 @@ def _plt():
     return plt
 
 
-def _name(summary):
-    bw = summary.get("bandwidth") or ("loopback" if not summary.get("netns") else "unlimited")
-    return "%s-%dw-%s" % (summary["model"], summary["workers"], bw)
-
-
 def _title(summary):
     bw = summary.get("bandwidth") or "loopback, no limit"
     return "%s, %d workers + %d servers, %s" % (summary["model"], summary["workers"],
@@ -299,7 +294,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench.plots"):
         if summary.get("mode") == "accuracy":
             acc.append(summary)
             continue
-        name = os.path.basename(os.path.dirname(os.path.abspath(s))) or _name(summary)
+        name = summary["name"]
         for kind, fn in (("throughput", throughput), ("time", time_split), ("wire", wire),
                          ("cttab", cttab)):
             path = os.path.join(opts.out, "%s_%s.png" % (kind, name))
