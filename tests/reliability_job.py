@@ -194,9 +194,13 @@ def _global_state(kv):
 
 
 def _dump(out, rank, info):
+    # Written whole, then renamed: a peer polls for this file and exits once it exists, and the
+    # launcher's SIGTERM that follows must not find it half written.
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "rank%d.json" % rank), "w") as f:
+    path = os.path.join(out, "rank%d.json" % rank)
+    with open(path + ".tmp", "w") as f:
         json.dump(info, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
