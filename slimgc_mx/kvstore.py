@@ -105,6 +105,7 @@ class SlimGC(KVStoreBase):
             self._codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
                                         num_threads=cfg.num_threads)
             self._cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule)
+        transport.check_exact_sums()
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
                                          lanes=self._lane_format()))
         engine = EngineNotifier()

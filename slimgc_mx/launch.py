@@ -23,6 +23,11 @@ USAGE_ERROR = 2
 DEFAULT_LINGER = 10.0
 DEFAULT_KILL_GRACE = 3.0
 POLL_INTERVAL = 0.05
+# MXNet 1.9.1's KVStoreDistServer never initializes its multi_precision_ flag; when the heap
+# hands it a nonzero byte, the server sums float64 pushes in float32 and corrupts SlimGC's
+# packed lanes. glibc then zero-fills every allocation (MALLOC_PERTURB_=255 covers all of
+# malloc's paths except its per-thread cache, which the tunable turns off), so the flag reads false.
+SERVER_ENV = {"MALLOC_PERTURB_": "255", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
 
 
 class LaunchError(Exception):
@@ -227,7 +232,7 @@ def build_plan(args) -> List[Task]:
     if args.p3:
         common.update(DMLC_PS_VAN_TYPE="p3", DMLC_PS_WATER_MARK="10")
     user_env = parse_env_items(args.env, "--env")
-    per_role = {"server": parse_env_items(args.env_server, "--env-server"),
+    per_role = {"server": {**SERVER_ENV, **parse_env_items(args.env_server, "--env-server")},
                 "worker": parse_env_items(args.env_worker, "--env-worker"),
                 "scheduler": {}}
 
@@ -511,7 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set NAME=VALUE for every process; NAME alone passes this shell's value; "
                         "repeatable (default: none)")
     p.add_argument("--env-server", action="append", default=[], metavar="NAME[:VALUE]",
-                   help="like --env, for servers only, wins over --env (default: none)")
+                   help="like --env, for servers only, wins over --env (default: "
+                        "MALLOC_PERTURB_=255 and GLIBC_TUNABLES=glibc.malloc.tcache_count=0, "
+                        "which keep MXNet 1.9.1's servers summing float64 exactly; see "
+                        "docs/launcher.md)")
     p.add_argument("--env-worker", action="append", default=[], metavar="NAME[:VALUE]",
                    help="like --env, for workers only, wins over --env (default: none)")
     p.add_argument("--p3", action="store_true",

@@ -20,6 +20,10 @@ class TransportTimeout(TimeoutError):
     """A transfer did not complete within the configured timeout."""
 
 
+class ServerPrecisionError(RuntimeError):
+    """A parameter server sums float64 arrays in float32, which would corrupt packed lanes."""
+
+
 class Buffer:
     """A CPU NDArray and a flat NumPy view of the same memory.
 
@@ -243,6 +247,9 @@ class Transport:
         """Every worker's float64 vector, stacked as (num_workers, len) (collective)."""
         raise NotImplementedError
 
+    def check_exact_sums(self):
+        """Raise ServerPrecisionError unless float64 sums are exact (collective)."""
+
     def close(self, timeout=None):
         """Release the transport; returns False if that did not finish within `timeout`."""
         return True
@@ -267,8 +274,16 @@ class LocalTransport(Transport):
         return np.asarray(values, dtype=np.float64).reshape(1, -1)
 
 
-# Wire keys live below this; control keys (allgather) above it.
+# Wire keys live below this; control keys (allgather, then the precision probe) above it.
+# MXNet picks a small key's server as (key * 9973) % S in 32-bit int arithmetic, which stays
+# positive only for keys below 2**30 + 107000.
 _CONTROL_KEY_BASE = 1 << 30
+_PROBE_KEY_BASE = _CONTROL_KEY_BASE + 4096
+
+
+def _probe_values(rank):
+    """What worker `rank` pushes in the precision probe: integers float32 cannot hold."""
+    return np.array([2.0 ** 48 + 2 * rank + 1, 2.0 ** 30 + rank, 1.0], dtype=np.float64)
 
 
 class DistTransport(Transport):
@@ -313,6 +328,35 @@ class DistTransport(Transport):
         self._kv.pull(key, out=recv)
         _wait_nd(recv, self.timeout)
         return recv.asnumpy()
+
+    def check_exact_sums(self):
+        """Push float64 integers through every server and compare the sums with the exact ones.
+
+        MXNet 1.9.1's server leaves its multi_precision_ flag uninitialized; a server that
+        starts with it set sums float64 in float32 (docs/launcher.md). Small keys
+        go to server (key * 9973) % S, so S consecutive keys reach all S servers.
+        """
+        servers = max(1, int(os.environ.get("DMLC_NUM_SERVER", "1")))
+        keys = [_PROBE_KEY_BASE + i for i in range(servers)]
+        mine = _probe_values(self.rank)
+        self._kv.init(keys, [mx.nd.zeros(mine.shape, dtype=np.float64) for _ in keys])
+        sums = [mx.nd.zeros(mine.shape, dtype=np.float64) for _ in keys]
+        for key, out in zip(keys, sums):
+            self._kv.push(key, mx.nd.array(mine, dtype=np.float64))
+            self._kv.pull(key, out=out)
+        expected = sum(_probe_values(r) for r in range(self.num_workers))
+        lossy = 0
+        for out in sums:
+            _wait_nd(out, self.timeout)
+            lossy += int(not np.array_equal(out.asnumpy(), expected))
+        if lossy:
+            raise ServerPrecisionError(
+                "%d of %d parameter servers sum float64 arrays in float32: MXNet 1.9.1's "
+                "KVStoreDistServer leaves its multi_precision_ flag uninitialized, and SlimGC's "
+                "packed lanes would be silently corrupted. Start the servers with "
+                "MALLOC_PERTURB_=255 GLIBC_TUNABLES=glibc.malloc.tcache_count=0 in their "
+                "environment (python -m slimgc_mx.launch does so), or train with compressor "
+                "'none'." % (lossy, servers))
 
     def close(self, timeout=None):
         """Finalize MXNet's kvstore (a barrier with every node); False if not done in `timeout`.

@@ -23,11 +23,16 @@ def main():
     p.add_argument("--no-backup", action="store_true")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--record-lanes", action="store_true",
+                   help="save every compressed transfer's sent and summed lanes")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     kv = mx.kv.create(args.kvstore)
     rank = kv.rank
+    lanes = {}
+    if args.record_lanes:
+        _record_lanes(kv, lanes)
     mx.random.seed(42)
     rng = np.random.RandomState(100 + rank)
     net = gluon.nn.HybridSequential()
@@ -60,8 +65,33 @@ def main():
     info = {"rank": rank, "num_workers": kv.num_workers, "sha256": digest.hexdigest()}
     if args.kvstore == "slimgc":
         info["stats"] = trainer._kvstore.stats()
+    if lanes:
+        np.savez(os.path.join(args.out, "lanes_rank%d.npz" % rank), **lanes)
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
         json.dump(info, f)
+
+
+def _record_lanes(kv, lanes):
+    """Wrap the transport: keep a copy of each float64 push and of the sum pulled back."""
+    transport = kv._ensure_transport()
+    push_pull = transport.push_pull
+    counts = {}
+
+    def recording(wire_key, send, recv):
+        if send.nd.dtype != np.float64:
+            return push_pull(wire_key, send, recv)
+        n = counts[wire_key] = counts.get(wire_key, -1) + 1
+        name = "%d_%d" % (wire_key, n)
+        lanes["send_" + name] = send.for_read().copy()  # before the pull overwrites it
+        handle = push_pull(wire_key, send, recv)
+        wait = handle.wait
+
+        def waited():
+            wait()
+            lanes["sum_" + name] = recv.for_read().copy()
+        handle.wait = waited
+        return handle
+    transport.push_pull = recording
 
 
 if __name__ == "__main__":

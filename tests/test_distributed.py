@@ -48,6 +48,37 @@ def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):
     assert stats["bytes_fp32"] > 0
 
 
+def test_servers_sum_packed_lanes_exactly(tmp_path):
+    # The server's float64 sum of the workers' lanes must be exact: a float32 sum (MXNet 1.9.1
+    # servers whose multi_precision_ flag starts set) changes the decoded levels silently.
+    out = tmp_path / "lanes"
+    _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor", "2bit",
+                   "--comm-threshold", "off", "--steps", "6", "--record-lanes"], 180)
+    lanes = [dict(np.load(out / ("lanes_rank%d.npz" % r))) for r in range(2)]
+    sums = [name for name in lanes[0] if name.startswith("sum_")]
+    assert len(sums) >= 2 * 6  # both weight tensors, every step
+    largest = 0
+    for name in sums:
+        sent = lanes[0]["send_" + name[4:]] + lanes[1]["send_" + name[4:]]
+        largest = max(largest, sent.max())
+        np.testing.assert_array_equal(lanes[0][name], sent, err_msg=name)
+        np.testing.assert_array_equal(lanes[1][name], sent, err_msg=name)
+    assert largest > 2 ** 40  # lanes that a float32 sum would have rounded
+
+
+def test_servers_that_sum_float64_in_float32_stop_the_job_with_the_fix(tmp_path):
+    # A zero-filled heap is what keeps the flag false; a 0xfe-filled one sets it on every server.
+    argv = [sys.executable, "-m", "slimgc_mx.launch", "-n", "2", "-s", "2", "--launcher", "local",
+            "--env-server", "MALLOC_PERTURB_:1", "--", sys.executable, "tests/dist_job.py",
+            "--out", str(tmp_path / "lossy"), "--compressor", "2bit", "--steps", "2"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "ServerPrecisionError: 2 of 2 parameter servers sum float64 arrays in float32" \
+        in proc.stderr
+    assert "MALLOC_PERTURB_=255 GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in proc.stderr
+    assert not (tmp_path / "lossy" / "rank0.json").exists()
+
+
 @pytest.mark.slow
 def test_train_script_mnist1d_cnn_2bit_backup_reaches_90_percent(tmp_path):
     out = tmp_path / "train"

@@ -179,6 +179,19 @@ def test_local_env_roles_counts_and_prefixes(job):
         assert f"{label} to stderr" in stderr.splitlines()
 
 
+def test_servers_get_a_zero_filled_heap_unless_told_otherwise():
+    plan = launch.build_plan(launch.parse_args(["-n", "1", "-s", "1", "true"]))
+    envs = {t.role: t.env for t in plan}
+    assert envs["server"]["MALLOC_PERTURB_"] == "255"
+    assert envs["server"]["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
+    assert "MALLOC_PERTURB_" not in envs["worker"] and "MALLOC_PERTURB_" not in envs["scheduler"]
+    plan = launch.build_plan(launch.parse_args(
+        ["-n", "1", "--env-server", "MALLOC_PERTURB_:0", "--env", "GLIBC_TUNABLES:x", "true"]))
+    server = next(t.env for t in plan if t.role == "server")
+    assert server["MALLOC_PERTURB_"] == "0"  # --env-server wins
+    assert server["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"  # over --env it does not
+
+
 def test_servers_default_to_workers_and_round_robin_plan(tmp_path):
     args = launch.parse_args(["-n", "3", "true"])
     assert (args.num_servers, args.launcher) == (3, "local")
