@@ -70,6 +70,22 @@ def test_accuracy_table_has_every_seed_the_mean_and_the_threshold():
     assert "5.0 KB /" in full and full.rstrip(" |").endswith("never")
 
 
+def test_accuracy_summaries_of_one_setup_share_a_panel(tmp_path):
+    from slimgc_mx.bench import plots
+
+    def summary(name, model, configs):
+        history = [{"epoch": 1, "test_acc": 0.5}, {"epoch": 2, "test_acc": 0.75}]
+        return {"name": name, "model": model, "dataset": "mnist1d", "workers": 4,
+                "results": [{"config": c, "ok": True, "history": history} for c in configs]}
+    base = summary("cnn-base", "cnn1d", ["fp32"])
+    rerun = summary("cnn-rerun", "cnn1d", ["slimgc-2bit-full"])
+    mlp = summary("mlp", "mlp", ["fp32"])
+    panels = plots.accuracy_panels([base, mlp, rerun])
+    assert [[s["name"] for s in group] for group in panels] == [["cnn-base", "cnn-rerun"], ["mlp"]]
+    path = tmp_path / "acc.png"
+    assert plots.accuracy([base, mlp, rerun], str(path)) and path.stat().st_size > 0
+
+
 def _skip_reason():
     ok, why = cluster.netns_available()
     return None if ok else why

@@ -2,7 +2,8 @@
 
     python -m slimgc_mx.bench.plots --out docs/figures results/cluster/*/summary.json
 Throughput summaries give throughput_F.png, time_F.png, wire_F.png and cttab_F.png, F being
-the summary's result folder (e.g. vgg-2w-1gbit); accuracy summaries accuracy_*.png.
+the summary's result folder (e.g. vgg-2w-1gbit); accuracy summaries one accuracy_*.png, with
+summaries of the same model, dataset and worker count drawn in one panel.
 """
 import argparse
 import json
@@ -164,14 +165,25 @@ def cttab(summary, path, config=None):
     return True
 
 
+def accuracy_panels(summaries):
+    """Group accuracy summaries by (model, dataset, workers): runs of one setup share a panel."""
+    panels = {}
+    for summary in summaries:
+        key = (summary["model"], summary["dataset"], summary["workers"])
+        panels.setdefault(key, []).append(summary)
+    return list(panels.values())
+
+
 def accuracy(summaries, path):
     """Fig. 9: test accuracy per epoch, mean over seeds with min-max band, per configuration."""
     plt = _plt()
-    fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4), squeeze=False)
+    panels = accuracy_panels(summaries)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     drew = False
-    for ax, summary in zip(axes[0], summaries):
+    for ax, group in zip(axes[0], panels):
+        summary = group[0]
         by = {}
-        for r in _ok(summary):
+        for r in (r for s in group for r in _ok(s)):
             if r.get("history"):
                 by.setdefault(r["config"], []).append([h["test_acc"] for h in r["history"]])
         for name, curves in by.items():
@@ -185,9 +197,9 @@ def accuracy(summaries, path):
             drew = True
         ax.set_xlabel("epoch")
         ax.set_ylabel("test accuracy")
-        ax.set_title("%s on %s, %d workers (%s)" % (summary["model"], summary["dataset"],
-                                                    summary["workers"], summary.get("name", "")),
-                     fontsize=9)
+        ax.set_title("%s on %s, %d workers (%s)" % (
+            summary["model"], summary["dataset"], summary["workers"],
+            " + ".join(s.get("name", "") for s in group)), fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     if drew:
