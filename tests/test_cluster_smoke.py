@@ -28,6 +28,14 @@ def test_config_names_map_to_train_options():
     assert cluster.rate_bits("1gbit") == 1e9 and cluster.rate_bits("125mbps") == 1e9
 
 
+def test_only_slimgc_servers_get_the_zero_filled_heap():
+    def servers(stock):
+        plan = cluster.build_tasks(None, 2, 2, ["true"], comm=True, stock_servers=stock)
+        return [t.env for t in plan if t.role == "server"]
+    assert all(env["MALLOC_PERTURB_"] == "255" for env in servers(False))
+    assert not any("MALLOC_PERTURB_" in env or "GLIBC_TUNABLES" in env for env in servers(True))
+
+
 def test_time_composition_adds_up():
     rec = {"step_s": {"median": 1.0},
            "wire_bytes_per_step_per_worker": {"tx": 50e6, "rx": 25e6, "total": 75e6},

@@ -363,12 +363,22 @@ def _output_to(path):
 
 
 def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
-                command: List[str], comm: bool) -> List[launch.Task]:
-    """The launcher's plan, moved into the namespaces (or left on loopback without cluster)."""
+                command: List[str], comm: bool, stock_servers: bool = False) -> List[launch.Task]:
+    """The launcher's plan, moved into the namespaces (or left on loopback without cluster).
+
+    stock_servers: drop the launcher's zero-filled-heap variables from the servers, so that
+    MXNet-only baselines (float32 pushes, which that fix does not concern) run as they would
+    without slimgc_mx and do not pay its cost.
+    """
     if comm:
         args = launch.parse_args(["-n", str(workers), "-s", str(servers), "--launcher", "local",
                                   "--"] + command)
         plan = launch.build_plan(args)
+        if stock_servers:
+            for t in plan:
+                if t.role == "server":
+                    for name in launch.SERVER_ENV:
+                        t.env.pop(name, None)
     else:  # no-comm: just the workers, no scheduler or servers, no DMLC roles
         plan = [launch.Task("worker", i, None, launch.LocalRunner(),
                             {"PYTHONUNBUFFERED": "1", "SLIMGC_LAUNCH_INDEX": str(i)})
@@ -413,7 +423,8 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
                "--"] + train_args
     comm = name != "no-comm"
     # Each worker writes its own probe file: the launch index is substituted per task.
-    plan = build_tasks(cluster, opts.workers, opts.servers, command, comm)
+    plan = build_tasks(cluster, opts.workers, opts.servers, command, comm,
+                       stock_servers=not name.startswith("slimgc-"))
     env = {"SLIMGC_WARMUP_STEPS": str(opts.slimgc_warmup)}
     if opts.threads:
         env["OMP_NUM_THREADS"] = str(opts.threads)
