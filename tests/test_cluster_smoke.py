@@ -94,6 +94,45 @@ def test_accuracy_summaries_of_one_setup_share_a_panel(tmp_path):
     assert plots.accuracy([base, mlp, rerun], str(path)) and path.stat().st_size > 0
 
 
+def test_accuracy_rerun_replaces_the_runs_of_a_config(monkeypatch, tmp_path):
+    from slimgc_mx.bench import plots
+    drawn = {}
+
+    class Axes:
+        def plot(self, x, y, label):
+            drawn[label] = y
+            return (type("Line", (), {"get_color": lambda self: "k"})(),)
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    class Figure:
+        def tight_layout(self):
+            pass
+
+        def savefig(self, *a, **k):
+            pass
+
+    class Plt:
+        def subplots(self, rows, cols, **k):
+            return Figure(), [[Axes() for _ in range(cols)]]
+
+        def close(self, fig):
+            pass
+    monkeypatch.setattr(plots, "_plt", lambda: Plt())
+
+    def summary(name, acc_by_config):
+        return {"name": name, "model": "cnn1d", "dataset": "mnist1d", "workers": 4,
+                "results": [{"config": c, "ok": True, "history": [{"test_acc": a}]}
+                            for c, accs in acc_by_config.items() for a in accs]}
+    first = summary("first", {"fp32": [0.9, 0.8], "full": [0.1, 0.1]})
+    rerun = summary("rerun", {"full": [0.6, 0.7, 0.8]})
+    assert plots.accuracy([first, rerun], str(tmp_path / "x.png"))
+    assert drawn["fp32 (2 seeds)"] == [pytest.approx(0.85)]
+    assert drawn["full (3 seeds)"] == [pytest.approx(0.7)]
+    assert not any(label.startswith("full (2") for label in drawn)
+
+
 def _skip_reason():
     ok, why = cluster.netns_available()
     return None if ok else why

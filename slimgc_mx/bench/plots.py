@@ -3,7 +3,8 @@
     python -m slimgc_mx.bench.plots --out docs/figures results/cluster/*/summary.json
 Throughput summaries give throughput_F.png, time_F.png, wire_F.png and cttab_F.png, F being
 the summary's result folder (e.g. vgg-2w-1gbit); accuracy summaries one accuracy_*.png, with
-summaries of the same model, dataset and worker count drawn in one panel.
+summaries of the same model, dataset and worker count drawn in one panel (a configuration
+that several of them ran is drawn from the last one given).
 """
 import argparse
 import json
@@ -166,7 +167,11 @@ def cttab(summary, path, config=None):
 
 
 def accuracy_panels(summaries):
-    """Group accuracy summaries by (model, dataset, workers): runs of one setup share a panel."""
+    """Group accuracy summaries by (model, dataset, workers): runs of one setup share a panel.
+
+    Within a panel a configuration's curve comes from the last summary that ran it, so a
+    rerun of some configurations is drawn next to the baselines of the first run.
+    """
     panels = {}
     for summary in summaries:
         key = (summary["model"], summary["dataset"], summary["workers"])
@@ -183,9 +188,12 @@ def accuracy(summaries, path):
     for ax, group in zip(axes[0], panels):
         summary = group[0]
         by = {}
-        for r in (r for s in group for r in _ok(s)):
-            if r.get("history"):
-                by.setdefault(r["config"], []).append([h["test_acc"] for h in r["history"]])
+        for s in group:  # a later summary's runs replace an earlier one's of the same config
+            mine = {}
+            for r in _ok(s):
+                if r.get("history"):
+                    mine.setdefault(r["config"], []).append([h["test_acc"] for h in r["history"]])
+            by.update(mine)
         for name, curves in by.items():
             n = min(len(c) for c in curves)
             cols = [[c[e] for c in curves] for e in range(n)]
