@@ -23,6 +23,7 @@ from mxnet import gluon
 from slimgc_mx import codecs
 from slimgc_mx.agreement import ConfigMismatchError
 from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.launch import SERVER_ENV
 from slimgc_mx.transport import LocalTransport, ThreadGroup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,6 +212,8 @@ def _start_by_hand(out, job_args, timeout_s):
     procs = {}
     for role, index in (("scheduler", 0), ("server", 0), ("worker", 0), ("worker", 1)):
         env = dict(base, DMLC_ROLE=role, SLIMGC_LAUNCH_INDEX=str(index))
+        if role == "server":  # what any launcher must give MXNet 1.9.1 servers (docs/launcher.md)
+            env.update(SERVER_ENV)
         name = "%s-%d" % (role, index)
         with open(os.path.join(out, name + ".log"), "w") as log:
             procs[name] = subprocess.Popen(
