@@ -17,17 +17,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from .servers import SERVER_ENV, SERVER_ENV_TEXT
+
 log = logging.getLogger("slimgc_mx.launch")
 
 USAGE_ERROR = 2
 DEFAULT_LINGER = 10.0
 DEFAULT_KILL_GRACE = 3.0
 POLL_INTERVAL = 0.05
-# MXNet 1.9.1's KVStoreDistServer never initializes its multi_precision_ flag; when the heap
-# hands it a nonzero byte, the server sums float64 pushes in float32 and corrupts SlimGC's
-# packed lanes. glibc then zero-fills every allocation (MALLOC_PERTURB_=255 covers all of
-# malloc's paths except its per-thread cache, which the tunable turns off), so the flag reads false.
-SERVER_ENV = {"MALLOC_PERTURB_": "255", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
 
 
 class LaunchError(Exception):
@@ -516,10 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set NAME=VALUE for every process; NAME alone passes this shell's value; "
                         "repeatable (default: none)")
     p.add_argument("--env-server", action="append", default=[], metavar="NAME[:VALUE]",
-                   help="like --env, for servers only, wins over --env (default: "
-                        "MALLOC_PERTURB_=255 and GLIBC_TUNABLES=glibc.malloc.tcache_count=0, "
-                        "which keep MXNet 1.9.1's servers summing float64 exactly; see "
-                        "docs/launcher.md)")
+                   help="like --env, for servers only, wins over --env (default: %s, which "
+                        "keeps MXNet 1.9.1's servers summing float64 exactly; see "
+                        "docs/launcher.md)" % SERVER_ENV_TEXT)
     p.add_argument("--env-worker", action="append", default=[], metavar="NAME[:VALUE]",
                    help="like --env, for workers only, wins over --env (default: none)")
     p.add_argument("--p3", action="store_true",

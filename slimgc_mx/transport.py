@@ -13,6 +13,8 @@ import mxnet as mx
 import numpy as np
 from mxnet.base import _LIB, NDArrayHandle, check_call
 
+from .servers import SERVER_ENV_TEXT
+
 _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
 
 
@@ -353,10 +355,9 @@ class DistTransport(Transport):
             raise ServerPrecisionError(
                 "%d of %d parameter servers sum float64 arrays in float32: MXNet 1.9.1's "
                 "KVStoreDistServer leaves its multi_precision_ flag uninitialized, and SlimGC's "
-                "packed lanes would be silently corrupted. Start the servers with "
-                "MALLOC_PERTURB_=255 GLIBC_TUNABLES=glibc.malloc.tcache_count=0 in their "
-                "environment (python -m slimgc_mx.launch does so), or train with compressor "
-                "'none'." % (lossy, servers))
+                "packed lanes would be silently corrupted. Start the servers with %s in "
+                "their environment (python -m slimgc_mx.launch does so), or train with "
+                "compressor 'none'." % (lossy, servers, SERVER_ENV_TEXT))
 
     def close(self, timeout=None):
         """Finalize MXNet's kvstore (a barrier with every node); False if not done in `timeout`.

@@ -20,6 +20,7 @@ import time
 from typing import Dict, List, Optional
 
 from .. import launch
+from ..servers import SERVER_ENV
 
 DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, time "
                "composition, CTTab, accuracy vs MXNet's own baselines")
@@ -377,7 +378,7 @@ def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
         if stock_servers:
             for t in plan:
                 if t.role == "server":
-                    for name in launch.SERVER_ENV:
+                    for name in SERVER_ENV:
                         t.env.pop(name, None)
     else:  # no-comm: just the workers, no scheduler or servers, no DMLC roles
         plan = [launch.Task("worker", i, None, launch.LocalRunner(),
