@@ -79,6 +79,9 @@ def build_parser():
                         "global weights)")
     g.add_argument("--no-offload", action="store_true",
                    help="slimgc: encode on the gradient's device instead of CPU threads")
+    g.add_argument("--no-fuse", action="store_true",
+                   help="slimgc: send full-precision tensors one by one instead of one fused "
+                        "buffer per server")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=sorted(models.MODELS), default="cnn1d",
                    help="mlp: flat inputs; cnn1d: 1-D signals; resnet20, vgg: (3,32,32) images")
@@ -131,7 +134,8 @@ def make_kvstore(args):
     kv = mx.kv.create("slimgc")
     params = {"type": args.compressor, "threshold": args.threshold,
               "comm_threshold": args.comm_threshold,
-              "backup": not args.no_backup, "offload": not args.no_offload}
+              "backup": not args.no_backup, "offload": not args.no_offload,
+              "fuse": not args.no_fuse}
     return kv, params
 
 
@@ -205,9 +209,10 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.compressor is None:
         args.compressor = "2bit" if args.kvstore == "slimgc" else "none"
-    if args.kvstore != "slimgc" and (args.no_backup or args.no_offload
+    if args.kvstore != "slimgc" and (args.no_backup or args.no_offload or args.no_fuse
                                      or args.comm_threshold != "auto"):
-        warnings.warn("--comm-threshold/--no-backup/--no-offload apply to --kvstore slimgc only")
+        warnings.warn("--comm-threshold/--no-backup/--no-offload/--no-fuse apply to "
+                      "--kvstore slimgc only")
     t_start = time.perf_counter()
     random.seed(args.seed)
     np.random.seed(args.seed)

@@ -124,23 +124,37 @@ class ModelBackup:
 
     def publish(self, key, step, global_update, local_step_done):
         """Aggregation thread: glo_buf <- w_{step+1} via `global_update(glo_buf)`, flag 1 -> 0."""
-        slot = self._slots[key]
+        self.publish_many([(key, step, local_step_done)], lambda glos: global_update(glos[0]))
+
+    def publish_many(self, entries, global_update):
+        """publish for several keys at once: entries are (key, step, local_step_done).
+
+        `global_update(glo_bufs)` writes all of them, so one multi-tensor optimizer
+        call can serve a fused bucket.
+        """
+        slots = [self._slots[key] for key, _, _ in entries]
         with self._cond:
-            if local_step_done:
-                # Normally already 1: the local update of `step` runs before its job is queued.
-                self._cond.wait_for(lambda: slot.flag == 1 or self._error is not None)
+            for slot, (_, _, local_step_done) in zip(slots, entries):
+                if local_step_done:
+                    # Normally already 1: the local update of `step` runs before its job is queued.
+                    self._cond.wait_for(lambda: slot.flag == 1 or self._error is not None)
             if self._error is not None:
                 return
-        global_update(slot.glo_buf)
-        if slot.staged is not None:
-            slot.glo.for_read()  # the fill below copies it without waiting
+        global_update([slot.glo_buf for slot in slots])
+        released = []
+        for slot in slots:
+            if slot.staged is not None:
+                slot.glo.for_read()  # the fill below copies it without waiting
         with self._cond:
-            slot.version = step + 1
-            slot.flag = 0
-            pending, slot.pending = slot.pending, None
+            for slot, (_, step, _) in zip(slots, entries):
+                slot.version = step + 1
+                slot.flag = 0
+                if slot.pending is not None:
+                    released.append((slot.pending[1], slot))
+                slot.pending = None
             self._cond.notify_all()
-        if pending is not None:
-            pending[1].release(slot.stage)
+        for hold, slot in released:
+            hold.release(slot.stage)
 
     def wait_version(self, key, version):
         """Block until glo_buf of `key` holds w_version; raise on pipeline failure or timeout."""

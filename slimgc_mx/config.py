@@ -30,6 +30,8 @@ class SlimGCConfig:
                     all transfers) or 'measured' (each size's own times, as in the paper)
     backup          model backup: loc_buf/glo_buf, the next step starts before aggregation ends
     offload         encode/decode on CPU threads with the Cython codecs (else NDArray ops)
+    fuse            after the CTTab's decision, send the full-precision tensors as one
+                    flat buffer per server and update them with one optimizer call
     loc_lr          learning rate of the local update (default: the global optimizer's)
     loc_optimizer   optimizer name of the local update (default: a copy of the global one)
     num_threads     CPU threads of the codecs (default: all available cores)
@@ -44,6 +46,7 @@ class SlimGCConfig:
     cttab_rule: str = "fit"
     backup: bool = True
     offload: bool = True
+    fuse: bool = True
     loc_lr: Optional[float] = None
     loc_optimizer: Optional[str] = None
     num_threads: Optional[int] = None
@@ -109,7 +112,7 @@ class SlimGCConfig:
         """The settings that must be identical on every worker."""
         return {"compressor": self.compressor, "threshold": float(self.threshold),
                 "comm_threshold": self.comm_threshold, "warmup_steps": self.warmup_steps,
-                "backup": self.backup, "offload": self.offload}
+                "backup": self.backup, "offload": self.offload, "fuse": self.fuse}
 
 
 # Trainer's compression_params follows MXNet's {'type': '2bit', 'threshold': 0.5}.
@@ -135,7 +138,7 @@ def _parse(name, raw, where):
     """Parse one option given as a string (environment or CLI)."""
     raw = raw.strip()
     try:
-        if name in ("backup", "offload"):
+        if name in ("backup", "offload", "fuse"):
             low = raw.lower()
             if low in _TRUE:
                 return True
@@ -155,7 +158,7 @@ def _parse(name, raw, where):
 
 
 _BOOL = "1/0, true/false, yes/no or on/off"
-_EXPECTED = {"backup": _BOOL, "offload": _BOOL,
+_EXPECTED = {"backup": _BOOL, "offload": _BOOL, "fuse": _BOOL,
              "threshold": "a number", "timeout": "a number of seconds", "loc_lr": "a number",
              "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
              "comm_threshold": "'auto', 'off' or a size in bytes"}

@@ -1,8 +1,9 @@
 """The SlimGC KVStore: `kvstore='slimgc'` in gluon.Trainer.
 
 A short composition: SlimGCConfig (options), CTTab (which tensors to compress),
-Pipeline (grad_buf -> codec -> transport -> aggregate), ModelBackup (loc_buf /
-glo_buf) and a Transport (MXNet dist_sync, or in-process). The optimizer runs on
+Pipeline (grad_buf -> codec -> transport -> aggregate), FusedRoute (the
+full-precision tensors in one transfer), ModelBackup (loc_buf / glo_buf) and a
+Transport (MXNet dist_sync, or in-process). The optimizer runs on
 every worker on the aggregated gradient, so all workers hold the same global
 weights bit for bit.
 """
@@ -21,9 +22,10 @@ from mxnet.kvstore import KVStoreBase
 from . import agreement, codecs
 from .backup import LocalUpdater, ModelBackup, clone_optimizer
 from .config import SlimGCConfig
+from .fusion import FusedRoute
 from .pipeline import Job, KeyBuffers, Pipeline
 from .threshold import CTTab, NEVER
-from .transport import Buffer, EngineNotifier, create_transport
+from .transport import FUSED_KEY_BASE, Buffer, EngineNotifier, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class SlimGC(KVStoreBase):
         self._backup = None
         self._cttab = None
         self._codec = None  # the prototype codec; each key gets a clone
+        self._fused = None  # FusedRoute, built at the first step after the CTTab's decision
+        self._next_fused_key = FUSED_KEY_BASE
         self._counters = {"wire": 0, "fp32": 0, "comm_s": 0.0, "compress_s": 0.0,
                           "transfers": 0, "compressed_transfers": 0}
         _LIVE.add(self)
@@ -191,6 +195,9 @@ class SlimGC(KVStoreBase):
             return self._allreduce(key, b, step, grads, outs if outs is not None else grads)
 
         backup = self._backup
+        bucket = self._bucket(key)
+        if bucket is not None and bucket.holds(key):
+            self._send_bucket(bucket)  # pushed again before the rest of its bucket: send what is in
         backup.wait_version(key, step)  # grad_buf and the residual are free again
         grad = _sum(grads)
         grad.copyto(b.grad_buf.nd)
@@ -198,8 +205,11 @@ class SlimGC(KVStoreBase):
         if local:
             backup.local_step(key, step, grad, outs, partial(self._local_update_ready(), b.index))
         opt = self._optimizer
-        self._submit(key, b, step, grad, (opt.lr, opt.wd, opt.rescale_grad, opt.param_dict),
-                     local)
+        settings = (opt.lr, opt.wd, opt.rescale_grad, opt.param_dict)
+        if bucket is None:
+            self._submit(key, b, step, grad, settings, local)
+        elif bucket.add(key, b, step, local, settings):
+            self._send_bucket(bucket)
         self._steps[key] = step + 1
         if not backup.enabled and outs is not None:
             backup.write_back(key, step + 1, outs)
@@ -218,7 +228,7 @@ class SlimGC(KVStoreBase):
     def _submit(self, key, b, step, grad, opt_settings, local):
         compressed = b.codec is not None and self._cttab.compressed(b.nbytes, step)
         serial = self._cttab.phase == "warmup"
-        job = Job(b, step, compressed, serial, (key, opt_settings, local))
+        job = Job(b, step, compressed, serial, ([(key, b, step, local)], opt_settings), key)
         if compressed and b.device is not None:
             # Offload off: encode with NDArray ops on the gradient's own context, in line.
             try:
@@ -234,6 +244,51 @@ class SlimGC(KVStoreBase):
             self._pipeline.submit(job, ready=(b.bit_send if job.compressed and b.device is not None
                                               else b.grad_buf).nd)
 
+    def _bucket(self, key):
+        """The fused bucket `key` goes in, or None; builds the FusedRoute once routing is final.
+
+        It is built at the first push of a step after the first, so that its members
+        are the keys the job pushes (gluon.Trainer also initializes keys it never
+        pushes, such as BatchNorm's running statistics).
+        """
+        if self._fused is None:
+            if not self.config.fuse or self._cttab.phase == "warmup" or self._steps[key] == 0:
+                return None
+            self._fused = self._build_fused()
+        return self._fused.bucket(key) if key in self._fused else None
+
+    def _build_fused(self):
+        """Collect every full-precision key into buckets (collective: declares wire keys)."""
+        members = {k: self._keys[k] for k in self._full_precision_keys()}
+        for key in members:  # no job still reads a member's old buffers
+            self._backup.wait_version(key, self._steps[key])
+        route = FusedRoute(members, self._transport, Buffer, self._next_fused_key)
+        self._next_fused_key += len(route.buckets)
+        log.info("slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes",
+                 len(members), len(route.buckets), [b.nbytes for b in route.buckets])
+        return route
+
+    def _full_precision_keys(self):
+        """Keys pushed so far that the CTTab routes to full precision, in key order."""
+        return [k for k, b in self._keys.items() if self._steps[k] > 0 and (
+            b.codec is None or not self._cttab.compressed(b.nbytes, self._steps[k]))]
+
+    def _send_bucket(self, bucket):
+        entries = bucket.take()
+        job = Job(bucket, entries[0][2], False, False, (entries, bucket.settings), bucket)
+        self._pipeline.submit(job, ready=bucket.grad_buf.nd)
+
+    def send_pending(self):
+        """Send the fused buckets still waiting for members that were not pushed this step.
+
+        gluon.Trainer calls it after each step's pushes, so a parameter that stops
+        being pushed (grad_req changed to 'null') never holds back the others.
+        Waiting calls (pull, flush, checkpoints) also call it.
+        """
+        if self._fused is not None:
+            for bucket in self._fused.partial():
+                self._send_bucket(bucket)
+
     def _local_update_ready(self):
         if self._local_updater is None:
             cfg = self.config
@@ -244,7 +299,7 @@ class SlimGC(KVStoreBase):
     def _finish(self, job):
         """Aggregation thread: account, record timings, update glo_buf, publish."""
         b = job.buffers
-        key, opt_settings, local = job.context
+        entries, opt_settings = job.context
         send = b.bit_send if job.compressed else b.grad_buf
         self._counters["wire"] += send.nbytes  # pushed, and pulled back as the same lanes
         self._counters["fp32"] += b.nbytes
@@ -252,18 +307,25 @@ class SlimGC(KVStoreBase):
         self._counters["compress_s"] += job.t_proc
         self._counters["transfers"] += 1
         self._counters["compressed_transfers"] += int(job.compressed)
-        self._cttab.record(key, b.nbytes, job.compressed, job.t_comm, job.t_proc, send.nbytes)
+        self._cttab.record(job.key, b.nbytes, job.compressed, job.t_comm, job.t_proc,
+                           send.nbytes)
+        published = [(key, step, local) for key, _, step, local in entries]
         if opt_settings is None:
-            self._backup.publish(key, job.step, lambda glo: None, local)
+            self._backup.publish_many(published, lambda glos: None)
             return
         lr, wd, rescale, param_dict = opt_settings
+        indices = [kb.index for _, kb, _, _ in entries]
+        aggs = [kb.agg.nd for _, kb, _, _ in entries]
 
-        def update(glo):
+        def update(glos):
             opt = self._glo_updater.optimizer
             opt.lr, opt.wd, opt.rescale_grad, opt.param_dict = lr, wd, rescale, param_dict
-            self._glo_updater(b.index, b.agg.nd, glo)
+            if len(indices) == 1:
+                self._glo_updater(indices[0], aggs[0], glos[0])
+            else:  # a bucket: MXNet's multi-tensor update ops, as gluon.Trainer uses
+                self._glo_updater(indices, aggs, glos)
 
-        self._backup.publish(key, job.step, update, local)
+        self._backup.publish_many(published, update)
 
     def _decide_threshold(self):
         """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT."""
@@ -275,6 +337,7 @@ class SlimGC(KVStoreBase):
 
     def _audit(self, step):
         """Consistency audit: all workers compare a checksum of every key's global weights."""
+        self.send_pending()
         self._pipeline.wait_idle(self.config.timeout)
         names = {}
         param_dict = getattr(self._optimizer, "param_dict", None) or {}
@@ -287,6 +350,7 @@ class SlimGC(KVStoreBase):
     # -- reading weights back --------------------------------------------------------------
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Write the newest global weights of `key` into `out`."""
+        self.send_pending()
         for k, o, _ in _triples(key, out, None):
             self._backup.wait_version(k, self._steps[k])
             for dst in _as_list(o):
@@ -300,6 +364,7 @@ class SlimGC(KVStoreBase):
         """
         if self._pipeline is None:
             return
+        self.send_pending()
         self._pipeline.wait_idle(self.config.timeout)
         self._backup.flush()
         mx.nd.waitall()
@@ -351,6 +416,7 @@ class SlimGC(KVStoreBase):
                              "workers and keys %s" % (fname, state["num_workers"],
                                                       sorted(state["keys"]), self.num_workers,
                                                       sorted(self._keys)))
+        self.send_pending()
         self._pipeline.wait_idle(self.config.timeout)
         self._glo_updater.set_states(state["global"])
         loaded = self._glo_updater.optimizer
@@ -369,6 +435,8 @@ class SlimGC(KVStoreBase):
                 b.codec.load_state_dict(ks["codec"])
         self._backup.load_state_dict(state["backup"])
         self._cttab.load_state_dict(state["cttab"])
+        if self._fused is not None and self._fused.keys != self._full_precision_keys():
+            self._fused = None  # another BestCT: rebuilt, with new wire keys, at the next step
         self._counters.update(state["counters"])
 
     @property
@@ -383,7 +451,9 @@ class SlimGC(KVStoreBase):
         comm_s: transfer time summed over keys (transfers overlap each other);
         compress_s: encode + decode time; blocked_s: time the training thread waited
         for global weights (the communication that was not hidden); cttab_rule and
-        cttab_link: how BestCT was read and the link fitted to the warm-up.
+        cttab_link: how BestCT was read and the link fitted to the warm-up;
+        fused_keys / fused_buckets: full-precision keys sent together, in how many
+        transfers per step (a bucket counts once in `transfers`).
         """
         best = self._cttab.best_ct if self._cttab is not None else None
         c = self._counters
@@ -402,6 +472,8 @@ class SlimGC(KVStoreBase):
             "cttab": list(self._cttab.rows) if self._cttab else [],
             "cttab_rule": self._cttab.rule if self._cttab else None,
             "cttab_link": self._cttab.link_report() if self._cttab else None,
+            "fused_keys": len(self._fused.keys) if self._fused is not None else 0,
+            "fused_buckets": len(self._fused.buckets) if self._fused is not None else 0,
         }
 
     @property
@@ -513,10 +585,11 @@ def _triples(key, value, out):
 
 
 def _patch_trainer():
-    """Let gluon.Trainer keep kvstore='slimgc' with one context.
+    """Let gluon.Trainer keep kvstore='slimgc' with one context, and end its steps' pushes.
 
     MXNet's _create_kvstore drops any string kvstore without 'dist' when there is a
     single device; for the names registered here it now creates the store instead.
+    After a step's pushes the Trainer now calls SlimGC.send_pending.
     """
     import mxnet.gluon.trainer as trainer_mod
     import mxnet.model as model_mod
@@ -534,6 +607,16 @@ def _patch_trainer():
     _create_kvstore._slimgc = True
     model_mod._create_kvstore = _create_kvstore
     trainer_mod._create_kvstore = _create_kvstore
+
+    allreduce = trainer_mod.Trainer._allreduce_grads
+
+    def _allreduce_grads(trainer):
+        """MXNet's loop of pushes, then SlimGC sends what its fused buckets hold."""
+        allreduce(trainer)
+        if isinstance(trainer._kvstore, SlimGC):
+            trainer._kvstore.send_pending()
+
+    trainer_mod.Trainer._allreduce_grads = _allreduce_grads
 
 
 _patch_trainer()

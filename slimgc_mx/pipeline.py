@@ -84,23 +84,20 @@ class KeyBuffers:
 class Job:
     """One key's aggregation for one step."""
 
-    __slots__ = ("buffers", "step", "compressed", "serial", "context", "handle",
+    __slots__ = ("buffers", "step", "compressed", "serial", "context", "key", "handle",
                  "t_start", "t_comm", "t_proc", "nonfinite")
 
-    def __init__(self, buffers, step, compressed, serial=False, context=None):
-        self.buffers = buffers
+    def __init__(self, buffers, step, compressed, serial=False, context=None, key=None):
+        self.buffers = buffers  # a KeyBuffers, or a fusion.Bucket on the full-precision route
         self.step = step
         self.compressed = compressed
         self.serial = serial  # transfer alone (warm-up timing) instead of overlapped
         self.context = context  # whatever `finish` needs (optimizer settings of this step)
+        self.key = key  # what messages name: the user key, or the bucket
         self.handle = None
         self.t_start = self.t_comm = None
         self.t_proc = 0.0
         self.nonfinite = False  # this worker's gradient held NaN/Inf: it sends NaN
-
-    @property
-    def key(self):
-        return self.context[0] if isinstance(self.context, tuple) else self.context
 
 
 class Pipeline:

@@ -46,6 +46,21 @@ class Buffer:
         self._np = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(_CTYPES[dtype])),
                                          shape=(size,))
 
+    def view(self, offset, shape):
+        """A Buffer over elements [offset, offset + prod(shape)) of this one, sharing its memory.
+
+        MXNet slices share their parent's engine variable, so a write to the view
+        holds back a read of the whole buffer until it is done.
+        """
+        size = int(np.prod(shape))
+        if offset < 0 or offset + size > self._np.size:
+            raise ValueError("view [%d, %d) outside a buffer of %d elements"
+                             % (offset, offset + size, self._np.size))
+        view = Buffer.__new__(Buffer)
+        view.nd = self.nd.reshape(-1)[offset:offset + size].reshape(shape)
+        view._np = self._np[offset:offset + size]
+        return view
+
     @property
     def nbytes(self):
         return self._np.nbytes
@@ -230,6 +245,7 @@ class Transport:
 
     rank = 0
     num_workers = 1
+    num_servers = 1
     kind = "abstract"
     timeout = None
 
@@ -276,11 +292,14 @@ class LocalTransport(Transport):
         return np.asarray(values, dtype=np.float64).reshape(1, -1)
 
 
-# Wire keys live below this; control keys (allgather, then the precision probe) above it.
-# MXNet picks a small key's server as (key * 9973) % S in 32-bit int arithmetic, which stays
-# positive only for keys below 2**30 + 107000.
+# Key bands. Per-key wire keys (3 * index + 0..2) live below _CONTROL_KEY_BASE; above it
+# sit the allgather keys, the precision probe and the fused buckets (fusion.py).
+# MXNet picks a small key's server as (key * 9973) % S in 32-bit int arithmetic, which
+# stays positive only for keys below 2**31 / 9973 (about 215000) and for keys in
+# [2**30, 2**30 + 107000): every band must stay inside those.
 _CONTROL_KEY_BASE = 1 << 30
 _PROBE_KEY_BASE = _CONTROL_KEY_BASE + 4096
+FUSED_KEY_BASE = _CONTROL_KEY_BASE + 16384
 
 
 def _probe_values(rank):
@@ -297,11 +316,12 @@ class DistTransport(Transport):
         self._kv = mx.kv.create("dist_sync")
         self.rank = self._kv.rank
         self.num_workers = self._kv.num_workers
+        self.num_servers = max(1, int(os.environ.get("DMLC_NUM_SERVER", "1")))
         self.timeout = timeout
         self._gather_keys = {}
 
     def declare(self, wire_key, buf):
-        if wire_key >= _CONTROL_KEY_BASE:
+        if _CONTROL_KEY_BASE <= wire_key < FUSED_KEY_BASE:
             raise ValueError("wire key %d collides with control keys" % wire_key)
         self._kv.init(wire_key, buf.nd)
 
@@ -338,7 +358,7 @@ class DistTransport(Transport):
         starts with it set sums float64 in float32 (docs/launcher.md). Small keys
         go to server (key * 9973) % S, so S consecutive keys reach all S servers.
         """
-        servers = max(1, int(os.environ.get("DMLC_NUM_SERVER", "1")))
+        servers = self.num_servers
         keys = [_PROBE_KEY_BASE + i for i in range(servers)]
         mine = _probe_values(self.rank)
         self._kv.init(keys, [mx.nd.zeros(mine.shape, dtype=np.float64) for _ in keys])

@@ -7,15 +7,16 @@ from slimgc_mx.config import SlimGCConfig
 def test_defaults():
     cfg = SlimGCConfig.from_sources({}, environ={})
     assert (cfg.compressor, cfg.threshold, cfg.comm_threshold) == ("2bit", 0.5, "auto")
-    assert cfg.backup and cfg.offload and cfg.audit_every == 0
+    assert cfg.backup and cfg.offload and cfg.fuse and cfg.audit_every == 0
 
 
 def test_environment_then_options_precedence():
     env = {"SLIMGC_COMPRESSOR": "4bit", "SLIMGC_BACKUP": "off", "SLIMGC_COMM_THRESHOLD": "4096",
-           "SLIMGC_NUM_THREADS": "2", "SLIMGC_TIMEOUT": "30"}
+           "SLIMGC_NUM_THREADS": "2", "SLIMGC_TIMEOUT": "30", "SLIMGC_FUSE": "0"}
     cfg = SlimGCConfig.from_sources({"type": "1bit"}, environ=env)
     assert cfg.compressor == "1bit"  # compression_params beat the environment
-    assert cfg.backup is False and cfg.comm_threshold == 4096
+    assert cfg.backup is False and cfg.comm_threshold == 4096 and cfg.fuse is False
+    assert cfg.agreement_fields()["fuse"] is False  # every worker must build the same buckets
     assert cfg.num_threads == 2 and cfg.timeout == 30.0
 
 

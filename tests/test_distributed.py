@@ -34,6 +34,10 @@ def test_none_without_backup_follows_mxnet_dist_sync(tmp_path):
     assert info[0]["sha256"] == info[1]["sha256"]
     for name in ref[0]:
         np.testing.assert_allclose(ours[0][name], ref[0][name], rtol=0, atol=1e-5)
+    # from step 2 on, the 4 tensors travel as one fused bucket per server
+    stats = info[0]["stats"]
+    assert (stats["fused_keys"], stats["fused_buckets"]) == (4, 2)
+    assert stats["transfers"] == 4 + 2 * 19
 
 
 def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):

@@ -1,0 +1,210 @@
+"""The fused full-precision route: same weights as key-by-key, fewer transfers, no stalls."""
+import threading
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+
+import slimgc_mx
+from slimgc_mx.fusion import FUSED_KEY_BASE, FusedRoute
+from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.pipeline import KeyBuffers
+from slimgc_mx.threshold import CTTab
+from slimgc_mx.transport import Buffer, ThreadGroup
+
+_INIT_LOCK = threading.Lock()
+
+
+def _net(seed=0):
+    """Three Dense layers (6 tensors, 16 B to 1.5 KB) with seeded weights."""
+    with _INIT_LOCK:
+        mx.random.seed(seed)
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(16, activation="relu"),
+                gluon.nn.Dense(4))
+        net.initialize(mx.init.Xavier())
+        net(mx.nd.zeros((1, 12)))
+        mx.nd.waitall()
+    return net
+
+
+def _batches(steps, seed=1):
+    rng = np.random.RandomState(seed)
+    return [(mx.nd.array(rng.randn(8, 12)), mx.nd.array(rng.randint(0, 4, 8)))
+            for _ in range(steps)]
+
+
+def _train(trainer, net, batches):
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    for x, y in batches:
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        loss.asnumpy()  # waits for this forward pass, which reads the last step's weights
+        trainer.step(x.shape[0])
+
+
+def _weights(net):
+    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
+
+
+def _in_threads(num_workers, fn):
+    group = ThreadGroup(num_workers)
+    results, errors = [None] * num_workers, []
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank, group.transport(rank))
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_buffer_view_shares_memory_and_waits_for_writes_to_the_whole_buffer():
+    parent = Buffer((10,), np.float32)
+    view = parent.view(2, (2, 2))
+    a = mx.nd.random.uniform(shape=(800, 800))
+    slow = mx.nd.dot(a, a)[:2, :2]  # queued, not finished
+    slow.copyto(view.nd)
+    np.testing.assert_array_equal(parent.for_read()[2:6], slow.asnumpy().ravel())
+    assert view.for_read().base is not None and parent.for_read()[[0, 1, 6]].sum() == 0
+    with pytest.raises(ValueError, match="outside a buffer of 10 elements"):
+        parent.view(8, (3,))
+
+
+class _Servers:
+    """A transport stand-in with S servers that records what is declared."""
+
+    def __init__(self, num_servers):
+        self.num_servers = num_servers
+        self.declared = []
+
+    def declare(self, wire_key, buf):
+        self.declared.append((wire_key, buf.nbytes))
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3, 8])
+def test_buckets_cut_the_keys_in_order_one_per_server(servers):
+    sizes = [5, 300, 40, 40, 1000, 7, 7, 200]
+    members = {"k%d" % i: KeyBuffers(i, (n,), None, 2, Buffer) for i, n in enumerate(sizes)}
+    transport = _Servers(servers)
+    route = FusedRoute(members, transport, Buffer)
+    assert len(route.buckets) == min(servers, len(sizes))
+    assert [k for b in route.buckets for k in b.members] == list(members)
+    assert [w for w, _ in transport.declared] == [FUSED_KEY_BASE + i
+                                                  for i in range(len(route.buckets))]
+    # every member's grad_buf is its own slice of its bucket's flat buffer
+    for bucket in route.buckets:
+        for i, b in enumerate(bucket.members.values()):
+            b.grad_buf.for_write()[:] = i + 1
+        expected = np.concatenate([np.full(b.size, i + 1, np.float32)
+                                   for i, b in enumerate(bucket.members.values())])
+        np.testing.assert_array_equal(bucket.grad_buf.for_read(), expected)
+    # balanced up to one key: no bucket exceeds its share by more than its largest member
+    share = sum(sizes) / len(route.buckets)
+    for bucket in route.buckets:
+        assert bucket.size <= share + max(b.size for b in bucket.members.values())
+    if servers == 2:
+        assert [b.size for b in route.buckets] == [5 + 300 + 40 + 40 + 1000, 7 + 7 + 200]
+
+
+def _fused_and_key_by_key(backup, comm_threshold, steps=10):
+    """Weights and stats of the same 2-worker job with fusion on and off."""
+    batches = _batches(steps)
+    out = {}
+    for fuse in (True, False):
+        def worker(rank, transport):
+            net = _net()
+            kv = SlimGC(transport=transport, compressor="2bit", threshold=0.01, backup=backup,
+                        comm_threshold=comm_threshold, warmup_steps=2, fuse=fuse, timeout=30)
+            trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                    {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+            _train(trainer, net, batches[rank::2] * 2)
+            slimgc_mx.flush(trainer)
+            stats = kv.stats()
+            kv.close()
+            return _weights(net), stats
+
+        out[fuse] = _in_threads(2, worker)
+    return out
+
+
+@pytest.mark.parametrize("backup", [True, False])
+@pytest.mark.parametrize("comm_threshold", [10 ** 9, 256, "auto"])
+def test_fused_route_trains_the_same_weights_as_key_by_key(backup, comm_threshold, monkeypatch):
+    """Fixed thresholds, and a warm-up whose decision (256 B) is pinned: timings vary."""
+    monkeypatch.setattr(CTTab, "decide", lambda self: 256)
+    out = _fused_and_key_by_key(backup, comm_threshold)
+    (w_fused, s_fused), (w_fused1, _) = out[True]
+    (w_keys, s_keys), _ = out[False]
+    for a, b, c in zip(w_fused, w_fused1, w_keys):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert s_keys["fused_keys"] == 0
+    full_precision = 6 if comm_threshold == 10 ** 9 else None
+    if full_precision:
+        assert s_fused["fused_keys"] == full_precision and s_fused["fused_buckets"] == 1
+        # 10 steps of 6 keys: the first step key by key, then one transfer per step
+        assert s_fused["transfers"] == 6 + 9 and s_keys["transfers"] == 60
+    if comm_threshold != 10 ** 9:  # the three biases (128, 64, 16 B) go together
+        assert s_fused["fused_keys"] == 3
+        assert s_fused["compressed_transfers"] == s_keys["compressed_transfers"]
+        assert s_fused["comm_threshold_bytes"] == 256
+    assert s_fused["bytes_pushed"] == s_keys["bytes_pushed"]
+
+
+def test_a_parameter_that_stops_being_pushed_does_not_stall_the_others():
+    """grad_req='null' mid-training: its bucket goes out at the end of the step, without it."""
+    batches = _batches(12)
+    results = {}
+    for fuse in (True, False):
+        net = _net()
+        kv = SlimGC(compressor="none", backup=False, fuse=fuse, timeout=20)
+        trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                kvstore=kv)
+        _train(trainer, net, batches[:4])
+        frozen = list(net.collect_params().values())[1]  # the first bias
+        before = frozen.data().asnumpy().copy()
+        frozen.grad_req = "null"
+        _train(trainer, net, batches[4:])
+        slimgc_mx.flush(trainer)
+        np.testing.assert_array_equal(frozen.data().asnumpy(), before)
+        results[fuse] = (_weights(net), kv.stats())
+        kv.close()
+    for a, b in zip(results[True][0], results[False][0]):
+        np.testing.assert_array_equal(a, b)
+    assert results[True][1]["fused_keys"] == 6
+
+
+def test_direct_pushes_of_part_of_a_bucket_are_sent_when_a_key_comes_again():
+    """Without gluon.Trainer: keys 0 and 1 go on alone after step 2; pull still answers."""
+    def run(fuse):
+        kv = SlimGC(compressor="none", backup=False, fuse=fuse, timeout=20)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5))
+        weights = [mx.nd.ones(n) for n in (3, 4, 5)]
+        for k, w in enumerate(weights):
+            kv.init(k, w)
+        for step in range(6):
+            for k, w in enumerate(weights):
+                if step < 2 or k < 2:
+                    kv.pushpull(k, mx.nd.full(w.shape, k + step), out=w)
+        kv.pull(1, out=weights[1])
+        kv.pull(2, out=weights[2])
+        stats = kv.stats()
+        kv.close()
+        return [w.asnumpy() for w in weights], stats
+
+    fused, stats = run(True)
+    for a, b in zip(fused, run(False)[0]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(fused[2], 1 - 0.5 * (2 + 3))  # pushed at steps 0 and 1 only
+    assert stats["fused_keys"] == 3
