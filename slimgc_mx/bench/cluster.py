@@ -44,16 +44,17 @@ def config_args(name: str) -> List[str]:
         return ["--kvstore", "dist_sync", "--compressor", "2bit", "--threshold", "0.5"]
     if name == "no-comm":
         return ["--kvstore", "local"]
-    m = re.fullmatch(r"slimgc-(1bit|2bit|4bit)-(classic|cgopt|offload|full)", name)
+    m = re.fullmatch(r"slimgc-(1bit|2bit|4bit)-(classic|cgopt|offload|full)(-nofuse)?", name)
     if not m:
-        raise ValueError("unknown configuration %r; valid: %s" % (name, ", ".join(all_configs())))
-    codec, step = m.groups()
+        raise ValueError("unknown configuration %r; valid: %s (a slimgc one may end in "
+                         "-nofuse)" % (name, ", ".join(all_configs())))
+    codec, step, nofuse = m.groups()
     args = ["--kvstore", "slimgc", "--compressor", codec, "--threshold", "0.5"]
     args += {"classic": ["--comm-threshold", "off", "--no-offload", "--no-backup"],
              "cgopt": ["--comm-threshold", "auto", "--no-offload", "--no-backup"],
              "offload": ["--comm-threshold", "auto", "--no-backup"],
              "full": ["--comm-threshold", "auto"]}[step]
-    return args
+    return args + (["--no-fuse"] if nofuse else [])
 
 
 def all_configs(codecs=CODECS) -> List[str]:
@@ -601,7 +602,8 @@ def parse_args(argv, prog):
         epilog="Configurations: fp32 (MXNet dist_sync), mxnet-2bit (MXNet's 2bit, threshold 0.5, "
                "push then pull), slimgc-CODEC-{classic,cgopt,offload,full} for CODEC in "
                "1bit/2bit/4bit (classic: compress all, no offload, no backup; cgopt: + threshold "
-               "table; offload: + CPU codecs; full: + model backup), no-comm (the workers train "
+               "table; offload: + CPU codecs; full: + model backup; any of them + '-nofuse': "
+               "full-precision tensors sent one by one), no-comm (the workers train "
                "concurrently with --kvstore local).\n\nexamples:\n"
                "  %(prog)s --model vgg --workers 2 --bandwidth 1gbit --configs fp32,mxnet-2bit,"
                "slimgc-2bit,no-comm\n"
