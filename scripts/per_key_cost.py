@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""CPU cost per call of the operations SlimGC runs for every key and step.
+"""CPU cost per key of the operations SlimGC runs for every key and step.
 
 Many-small-tensor models (ResNet-20: 65 tensors) pay these per key, where
 MXNet's own kvstore pays one C++ push and pull. All rows are measured side by
@@ -36,22 +36,31 @@ def measure(fn, calls):
     return ((time.process_time() - cpu) / calls * 1e6, (time.perf_counter() - wall) / calls * 1e6)
 
 
+FUSED_KEYS = 16  # keys per multi-tensor update in the fused row
+
+
 def operations(n):
-    """name -> callable: one call of each per-key operation on an n-element tensor."""
+    """name -> (callable, keys it serves): each per-key operation on n-element tensors."""
     w, g, mom, out = mx.nd.ones(n), mx.nd.ones(n), mx.nd.zeros(n), mx.nd.zeros(n)
     opt = mx.optimizer.SGD(learning_rate=0.01, momentum=0.9, rescale_grad=1 / 32)
     updater = mx.optimizer.get_updater(clone_optimizer(opt))
+    many = mx.optimizer.get_updater(clone_optimizer(opt))
+    ws = [mx.nd.ones(n) for _ in range(FUSED_KEYS)]
+    gs = [mx.nd.ones(n) for _ in range(FUSED_KEYS)]
+    indices = list(range(FUSED_KEYS))
     local = LocalUpdater(opt, 2, global_updater=updater)
     engine = EngineNotifier()
     agg = Buffer((n,), np.float32)
     return {
-        "global update (MXNet Updater)": lambda: updater(0, g, w),
-        "sgd_mom_update op alone": lambda: mx.nd.sgd_mom_update(
-            w, g, mom, out=out, lr=0.01, wd=0.0, momentum=0.9, rescale_grad=1 / 32),
-        "local update (fused SGD)": lambda: local(0, g, w, out),
-        "NDArray copyto": lambda: g.copyto(out),
-        "engine callback (when_readable)": lambda: engine.when_readable(g, lambda: None),
-        "finite check (numpy)": lambda: np.isfinite(agg.for_read()).all(),
+        "global update (MXNet Updater)": (lambda: updater(0, g, w), 1),
+        "global update, %d keys per call" % FUSED_KEYS: (lambda: many(indices, gs, ws),
+                                                         FUSED_KEYS),
+        "sgd_mom_update op alone": (lambda: mx.nd.sgd_mom_update(
+            w, g, mom, out=out, lr=0.01, wd=0.0, momentum=0.9, rescale_grad=1 / 32), 1),
+        "local update (fused SGD)": (lambda: local(0, g, w, out), 1),
+        "NDArray copyto": (lambda: g.copyto(out), 1),
+        "engine callback (when_readable)": (lambda: engine.when_readable(g, lambda: None), 1),
+        "finite check (numpy)": (lambda: np.isfinite(agg.for_read()).all(), 1),
     }
 
 
@@ -63,11 +72,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.elements < 1 or args.calls < 1:
         p.error("--elements and --calls must be at least 1")
-    print("%-34s %14s %14s" % ("operation (%d elements)" % args.elements, "CPU us/call",
-                               "wall us/call"))
+    print("%-34s %14s %14s" % ("operation (%d elements)" % args.elements, "CPU us/key",
+                               "wall us/key"))
     results = {}
-    for name, fn in operations(args.elements).items():
-        results[name] = cpu, wall = measure(fn, args.calls)
+    for name, (fn, keys) in operations(args.elements).items():
+        cpu, wall = measure(fn, args.calls)
+        results[name] = cpu, wall = cpu / keys, wall / keys
         print("%-34s %14.1f %14.1f" % (name, cpu, wall))
     return results
 

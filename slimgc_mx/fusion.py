@@ -42,9 +42,13 @@ class Bucket:
         self.pending = []
         self.settings = None  # the optimizer settings of the first push since the last transfer
 
-    def __repr__(self):
+    @property
+    def label(self):
+        """How messages name the bucket, e.g. 'keys 0..64 (fused)'."""
         keys = list(self.members)
-        return "fused keys %r..%r" % (keys[0], keys[-1]) if len(keys) > 1 else repr(keys[0])
+        if len(keys) == 1:
+            return "key %r (fused)" % (keys[0],)
+        return "keys %r..%r (fused)" % (keys[0], keys[-1])
 
     def holds(self, key):
         """True when `key` was pushed since the last transfer."""

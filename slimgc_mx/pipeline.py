@@ -180,7 +180,7 @@ class Pipeline:
 
     def _fail(self, exc, job):
         if self.error is None:
-            self.error_where = "key %r, step %d" % (job.key, job.step)
+            self.error_where = "%s, step %d" % (_label(job.key), job.step)
             self.error = exc
             self._on_error(exc, self.error_where)
         with self._idle:
@@ -226,9 +226,10 @@ class Pipeline:
         received = b.bit_recv if job.compressed else b.agg
         if not np.isfinite(received.for_read()).all():
             raise NonFiniteAggregateError(
-                "key %r, step %d: the gradient summed over workers holds NaN/Inf (this worker's "
+                "%s, step %d: the gradient summed over workers holds NaN/Inf (this worker's "
                 "own gradient %s); no weights were updated. Lower the learning rate or clip "
-                "gradients." % (job.key, job.step, "did" if job.nonfinite else "was finite"))
+                "gradients." % (_label(job.key), job.step,
+                                "did" if job.nonfinite else "was finite"))
         if job.compressed and b.device is not None:
             t0 = time.perf_counter()
             b.device.decode(b.bit_recv.nd, b.size, n, out=b.agg.nd)
@@ -240,3 +241,8 @@ class Pipeline:
             b.codec.decode(lanes, b.size, n, out=agg)
             job.t_proc += time.perf_counter() - t0
         self._finish(job)
+
+
+def _label(key):
+    """How messages name a job: 'key 3', or a fused bucket's own label."""
+    return getattr(key, "label", None) or "key %r" % (key,)

@@ -208,3 +208,39 @@ def test_direct_pushes_of_part_of_a_bucket_are_sent_when_a_key_comes_again():
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(fused[2], 1 - 0.5 * (2 + 3))  # pushed at steps 0 and 1 only
     assert stats["fused_keys"] == 3
+
+
+def test_nan_in_a_fused_bucket_fails_every_worker_without_updating_any_member():
+    from slimgc_mx.pipeline import NonFiniteAggregateError, PipelineError
+
+    sizes = (3, 4, 5)
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="none", backup=False, timeout=30)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+        weights = [mx.nd.ones(n) for n in sizes]
+        for k, w in enumerate(weights):
+            kv.broadcast(k, w, out=w)
+        for step in range(2):
+            for k, w in enumerate(weights):
+                kv.pushpull(k, mx.nd.ones(w.shape), out=w)
+        kv.send_pending()
+        before = [w.asnumpy().copy() for w in weights]
+        for k, w in enumerate(weights):
+            grad = np.ones(w.shape, np.float32)
+            if rank == 1 and k == 1:
+                grad[2] = np.inf
+            kv.pushpull(k, mx.nd.array(grad), out=w)
+        with pytest.raises(PipelineError) as info:
+            kv.pushpull(0, mx.nd.ones(sizes[0]), out=weights[0])
+        after = [kv._backup.glo_buf(k).asnumpy() for k in range(len(sizes))]
+        stats = kv.stats()
+        kv.close()
+        return info.value, before, after, stats
+
+    for err, before, after, stats in _in_threads(2, worker):
+        assert stats["fused_keys"] == 3
+        assert isinstance(err.__cause__, NonFiniteAggregateError)
+        assert "keys 0..2 (fused), step 2" in str(err)
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)

@@ -364,13 +364,14 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
 
     for err, before, after, param in _in_threads(2, worker):
         assert isinstance(err.__cause__, NonFiniteAggregateError)
-        assert "key 0, step 1" in str(err)
+        assert "key 0, step 1" in str(err) or "key 0 (fused), step 1" in str(err)
         np.testing.assert_array_equal(before, after)
         np.testing.assert_array_equal(param, before)
         assert np.isfinite(after).all()
 
 
-def test_checkpoint_resume_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("comm_threshold", ["off", 256])  # all compressed; biases fused
+def test_checkpoint_resume_is_bitwise_identical(tmp_path, comm_threshold):
     """2 workers, 2bit, backup on: stop after k steps, resume in new objects, same weights."""
     batches = _batches(16, seed=3)
     k = 8
@@ -379,7 +380,7 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path):
         net = _net()
         net(batches[0][0])
         kv = SlimGC(transport=transport, compressor="2bit", threshold=0.05, backup=True,
-                    comm_threshold="off")
+                    comm_threshold=comm_threshold)
         trainer = gluon.Trainer(net.collect_params(), "sgd",
                                 {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
         return net, kv, trainer
@@ -390,6 +391,7 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path):
         trainer.save_states(str(tmp_path / ("full%d.states" % rank)))
         _train(trainer, net, batches[rank::2][k // 2:] * 2)
         slimgc_mx.flush(trainer)
+        assert kv.stats()["fused_keys"] == (0 if comm_threshold == "off" else 2)
         kv.close()
         return _weights(net)
 

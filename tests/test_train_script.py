@@ -89,8 +89,9 @@ def test_per_key_cost_reports_every_operation():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines()[1:] if line.strip()]
-    assert len(rows) == 6 and any(r.startswith("local update (fused SGD)") for r in rows)
-    assert all(float(r.split()[-1]) > 0 for r in rows)  # wall microseconds per call
+    assert len(rows) == 7 and any(r.startswith("local update (fused SGD)") for r in rows)
+    assert any(r.startswith("global update, 16 keys per call") for r in rows)
+    assert all(float(r.split()[-1]) > 0 for r in rows)  # wall microseconds per key
     bad = subprocess.run([sys.executable, cost, "--calls", "0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--calls must be at least 1" in bad.stderr
