@@ -16,13 +16,18 @@ from slimgc_mx.transport import Buffer, ThreadGroup
 _INIT_LOCK = threading.Lock()
 
 
-def _net(seed=0):
-    """Three Dense layers (6 tensors, 16 B to 1.5 KB) with seeded weights."""
+def _net(seed=0, prefix=None):
+    """Three Dense layers (6 tensors, 16 B to 1.5 KB) with seeded weights.
+
+    With `prefix` the parameter names, hence gluon.Trainer's key order (sorted
+    names), are the same for every net built, as a checkpoint needs.
+    """
     with _INIT_LOCK:
         mx.random.seed(seed)
-        net = gluon.nn.HybridSequential()
-        net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(16, activation="relu"),
-                gluon.nn.Dense(4))
+        net = gluon.nn.HybridSequential(prefix=prefix)
+        with net.name_scope():
+            net.add(gluon.nn.Dense(32, activation="relu"),
+                    gluon.nn.Dense(16, activation="relu"), gluon.nn.Dense(4))
         net.initialize(mx.init.Xavier())
         net(mx.nd.zeros((1, 12)))
         mx.nd.waitall()
@@ -244,3 +249,38 @@ def test_nan_in_a_fused_bucket_fails_every_worker_without_updating_any_member():
         assert "keys 0..2 (fused), step 2" in str(err)
         for a, b in zip(before, after):
             np.testing.assert_array_equal(a, b)
+
+
+def test_loading_a_checkpoint_with_another_threshold_rebuilds_the_buckets(tmp_path, monkeypatch):
+    """A job fused all 6 keys (BestCT 'never'); the checkpoint it loads says 256 B: 3 keys."""
+    batches = _batches(10)
+    states = str(tmp_path / "a.states")
+
+    def make():
+        net = _net(prefix="resumed_")
+        kv = SlimGC(compressor="2bit", threshold=0.05, backup=False, warmup_steps=2, timeout=30)
+        trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+        return net, kv, trainer
+
+    monkeypatch.setattr(CTTab, "decide", lambda self: 256)
+    net, kv, trainer = make()
+    _train(trainer, net, batches[:5])
+    trainer.save_states(states)
+    _train(trainer, net, batches[5:])
+    slimgc_mx.flush(trainer)
+    expected = _weights(net)
+    kv.close()
+
+    monkeypatch.setattr(CTTab, "decide", lambda self: 10 ** 9)
+    net, kv, trainer = make()
+    _train(trainer, net, batches[:4])
+    assert kv.stats()["fused_keys"] == 6
+    trainer.load_states(states)
+    slimgc_mx.flush(trainer)  # the parameters get the checkpoint's global weights
+    _train(trainer, net, batches[5:])
+    slimgc_mx.flush(trainer)
+    assert kv.stats()["fused_keys"] == 3 and kv.stats()["comm_threshold_bytes"] == 256
+    for a, b in zip(expected, _weights(net)):
+        np.testing.assert_array_equal(a, b)
+    kv.close()
