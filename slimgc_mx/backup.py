@@ -122,15 +122,11 @@ class ModelBackup:
         else:
             hold.release(None if failed else slot.stage)
 
-    def publish(self, key, step, global_update, local_step_done):
-        """Aggregation thread: glo_buf <- w_{step+1} via `global_update(glo_buf)`, flag 1 -> 0."""
-        self.publish_many([(key, step, local_step_done)], lambda glos: global_update(glos[0]))
+    def publish(self, entries, global_update):
+        """Aggregation thread: glo_buf <- w_{step+1}, flag 1 -> 0, for each entry.
 
-    def publish_many(self, entries, global_update):
-        """publish for several keys at once: entries are (key, step, local_step_done).
-
-        `global_update(glo_bufs)` writes all of them, so one multi-tensor optimizer
-        call can serve a fused bucket.
+        entries: (key, step, local_step_done). `global_update(glo_bufs)` writes all
+        of them at once, so one multi-tensor optimizer call can serve a fused bucket.
         """
         slots = [self._slots[key] for key, _, _ in entries]
         with self._cond:
@@ -141,10 +137,10 @@ class ModelBackup:
             if self._error is not None:
                 return
         global_update([slot.glo_buf for slot in slots])
-        released = []
         for slot in slots:
             if slot.staged is not None:
                 slot.glo.for_read()  # the fill below copies it without waiting
+        released = []
         with self._cond:
             for slot, (_, step, _) in zip(slots, entries):
                 slot.version = step + 1

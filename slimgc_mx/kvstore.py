@@ -311,7 +311,7 @@ class SlimGC(KVStoreBase):
                            send.nbytes)
         published = [(key, step, local) for key, _, step, local in entries]
         if opt_settings is None:
-            self._backup.publish_many(published, lambda glos: None)
+            self._backup.publish(published, lambda glos: None)
             return
         lr, wd, rescale, param_dict = opt_settings
         indices = [kb.index for _, kb, _, _ in entries]
@@ -320,12 +320,11 @@ class SlimGC(KVStoreBase):
         def update(glos):
             opt = self._glo_updater.optimizer
             opt.lr, opt.wd, opt.rescale_grad, opt.param_dict = lr, wd, rescale, param_dict
-            if len(indices) == 1:
-                self._glo_updater(indices[0], aggs[0], glos[0])
-            else:  # a bucket: MXNet's multi-tensor update ops, as gluon.Trainer uses
-                self._glo_updater(indices, aggs, glos)
+            # MXNet's Updater takes lists (a bucket: its multi-tensor ops, as gluon.Trainer
+            # uses); it turns a single key into a list of one itself.
+            self._glo_updater(indices, aggs, glos)
 
-        self._backup.publish_many(published, update)
+        self._backup.publish(published, update)
 
     def _decide_threshold(self):
         """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT."""

@@ -18,8 +18,8 @@ def _backup(enabled=True, timeout=5.0, engine=None):
 
 
 def _sub(delta):
-    def update(glo):
-        glo[:] = glo - delta
+    def update(glos):
+        glos[0][:] = glos[0] - delta
     return update
 
 
@@ -38,7 +38,7 @@ def test_publish_waits_for_the_flag_then_clears_it():
     done = threading.Event()
 
     def aggregation_thread():
-        b.publish("w", 0, _sub(1.0), local_step_done=True)
+        b.publish([("w", 0, True)], _sub(1.0))
         done.set()
 
     threading.Thread(target=aggregation_thread, daemon=True).start()
@@ -53,7 +53,7 @@ def test_publish_waits_for_the_flag_then_clears_it():
 def test_backup_off_publishes_without_a_flag_and_write_back_waits():
     b = _backup(enabled=False)
     out = [mx.nd.zeros(3)]
-    threading.Timer(0.1, lambda: b.publish("w", 0, _sub(1.0), local_step_done=False)).start()
+    threading.Timer(0.1, lambda: b.publish([("w", 0, False)], _sub(1.0))).start()
     b.write_back("w", 1, out)
     np.testing.assert_allclose(out[0].asnumpy(), [0.0, 1.0, 2.0])
     assert b.blocked_s > 0
@@ -69,9 +69,9 @@ def test_backup_off_write_back_returns_at_once_and_the_engine_waits(publish_firs
     b = _backup(enabled=False, engine=EngineNotifier())
     out = [mx.nd.zeros(3), mx.nd.zeros(3)]
     if publish_first:
-        b.publish("w", 0, _sub(1.0), local_step_done=False)
+        b.publish([("w", 0, False)], _sub(1.0))
     else:
-        threading.Timer(0.3, lambda: b.publish("w", 0, _sub(1.0), local_step_done=False)).start()
+        threading.Timer(0.3, lambda: b.publish([("w", 0, False)], _sub(1.0))).start()
     start = time.perf_counter()
     b.write_back("w", 1, out)
     assert time.perf_counter() - start < 0.2  # the training thread does not wait ...
@@ -127,7 +127,7 @@ def test_flush_and_state_round_trip():
     b = _backup()
     loc = [mx.nd.zeros(3)]
     b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, glo, w: (glo - g).copyto(w))
-    b.publish("w", 0, _sub(2.0), local_step_done=True)
+    b.publish([("w", 0, True)], _sub(2.0))
     b.flush()
     np.testing.assert_allclose(loc[0].asnumpy(), [-1.0, 0.0, 1.0])
     state = b.state_dict()
