@@ -1,77 +1,22 @@
 """The fused full-precision route: same weights as key-by-key, fewer transfers, no stalls."""
-import threading
 
 import mxnet as mx
 import numpy as np
 import pytest
-from mxnet import autograd, gluon
+from mxnet import gluon
 
 import slimgc_mx
+import training_helpers as th
 from slimgc_mx.fusion import FUSED_KEY_BASE, FusedRoute
 from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.pipeline import KeyBuffers
 from slimgc_mx.threshold import CTTab
-from slimgc_mx.transport import Buffer, ThreadGroup
-
-_INIT_LOCK = threading.Lock()
+from slimgc_mx.transport import Buffer
 
 
 def _net(seed=0, prefix=None):
-    """Three Dense layers (6 tensors, 16 B to 1.5 KB) with seeded weights.
-
-    With `prefix` the parameter names, hence gluon.Trainer's key order (sorted
-    names), are the same for every net built, as a checkpoint needs.
-    """
-    with _INIT_LOCK:
-        mx.random.seed(seed)
-        net = gluon.nn.HybridSequential(prefix=prefix)
-        with net.name_scope():
-            net.add(gluon.nn.Dense(32, activation="relu"),
-                    gluon.nn.Dense(16, activation="relu"), gluon.nn.Dense(4))
-        net.initialize(mx.init.Xavier())
-        net(mx.nd.zeros((1, 12)))
-        mx.nd.waitall()
-    return net
-
-
-def _batches(steps, seed=1):
-    rng = np.random.RandomState(seed)
-    return [(mx.nd.array(rng.randn(8, 12)), mx.nd.array(rng.randint(0, 4, 8)))
-            for _ in range(steps)]
-
-
-def _train(trainer, net, batches):
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    for x, y in batches:
-        with autograd.record():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        loss.asnumpy()  # waits for this forward pass, which reads the last step's weights
-        trainer.step(x.shape[0])
-
-
-def _weights(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
-
-
-def _in_threads(num_workers, fn):
-    group = ThreadGroup(num_workers)
-    results, errors = [None] * num_workers, []
-
-    def run(rank):
-        try:
-            results[rank] = fn(rank, group.transport(rank))
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
+    """Three Dense layers (6 tensors, 16 B to 1.5 KB) with seeded weights."""
+    return th.dense_net((32, 16, 4), seed, prefix)
 
 
 def test_buffer_view_shares_memory_and_waits_for_writes_to_the_whole_buffer():
@@ -124,7 +69,7 @@ def test_buckets_cut_the_keys_in_order_one_per_server(servers):
 
 def _fused_and_key_by_key(backup, comm_threshold, steps=10):
     """Weights and stats of the same 2-worker job with fusion on and off."""
-    batches = _batches(steps)
+    batches = th.batches(steps)
     out = {}
     for fuse in (True, False):
         def worker(rank, transport):
@@ -133,13 +78,13 @@ def _fused_and_key_by_key(backup, comm_threshold, steps=10):
                         comm_threshold=comm_threshold, warmup_steps=2, fuse=fuse, timeout=30)
             trainer = gluon.Trainer(net.collect_params(), "sgd",
                                     {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
-            _train(trainer, net, batches[rank::2] * 2)
+            th.train(trainer, net, batches[rank::2] * 2)
             slimgc_mx.flush(trainer)
             stats = kv.stats()
             kv.close()
-            return _weights(net), stats
+            return th.weights(net), stats
 
-        out[fuse] = _in_threads(2, worker)
+        out[fuse] = th.in_threads(2, worker)
     return out
 
 
@@ -169,21 +114,21 @@ def test_fused_route_trains_the_same_weights_as_key_by_key(backup, comm_threshol
 
 def test_a_parameter_that_stops_being_pushed_does_not_stall_the_others():
     """grad_req='null' mid-training: its bucket goes out at the end of the step, without it."""
-    batches = _batches(12)
+    batches = th.batches(12)
     results = {}
     for fuse in (True, False):
         net = _net()
         kv = SlimGC(compressor="none", backup=False, fuse=fuse, timeout=20)
         trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                                 kvstore=kv)
-        _train(trainer, net, batches[:4])
+        th.train(trainer, net, batches[:4])
         frozen = list(net.collect_params().values())[1]  # the first bias
         before = frozen.data().asnumpy().copy()
         frozen.grad_req = "null"
-        _train(trainer, net, batches[4:])
+        th.train(trainer, net, batches[4:])
         slimgc_mx.flush(trainer)
         np.testing.assert_array_equal(frozen.data().asnumpy(), before)
-        results[fuse] = (_weights(net), kv.stats())
+        results[fuse] = (th.weights(net), kv.stats())
         kv.close()
     for a, b in zip(results[True][0], results[False][0]):
         np.testing.assert_array_equal(a, b)
@@ -243,7 +188,7 @@ def test_nan_in_a_fused_bucket_fails_every_worker_without_updating_any_member():
         kv.close()
         return info.value, before, after, stats
 
-    for err, before, after, stats in _in_threads(2, worker):
+    for err, before, after, stats in th.in_threads(2, worker):
         assert stats["fused_keys"] == 3
         assert isinstance(err.__cause__, NonFiniteAggregateError)
         assert "keys 0..2 (fused), step 2" in str(err)
@@ -253,7 +198,7 @@ def test_nan_in_a_fused_bucket_fails_every_worker_without_updating_any_member():
 
 def test_loading_a_checkpoint_with_another_threshold_rebuilds_the_buckets(tmp_path, monkeypatch):
     """A job fused all 6 keys (BestCT 'never'); the checkpoint it loads says 256 B: 3 keys."""
-    batches = _batches(10)
+    batches = th.batches(10)
     states = str(tmp_path / "a.states")
 
     def make():
@@ -265,22 +210,22 @@ def test_loading_a_checkpoint_with_another_threshold_rebuilds_the_buckets(tmp_pa
 
     monkeypatch.setattr(CTTab, "decide", lambda self: 256)
     net, kv, trainer = make()
-    _train(trainer, net, batches[:5])
+    th.train(trainer, net, batches[:5])
     trainer.save_states(states)
-    _train(trainer, net, batches[5:])
+    th.train(trainer, net, batches[5:])
     slimgc_mx.flush(trainer)
-    expected = _weights(net)
+    expected = th.weights(net)
     kv.close()
 
     monkeypatch.setattr(CTTab, "decide", lambda self: 10 ** 9)
     net, kv, trainer = make()
-    _train(trainer, net, batches[:4])
+    th.train(trainer, net, batches[:4])
     assert kv.stats()["fused_keys"] == 6
     trainer.load_states(states)
     slimgc_mx.flush(trainer)  # the parameters get the checkpoint's global weights
-    _train(trainer, net, batches[5:])
+    th.train(trainer, net, batches[5:])
     slimgc_mx.flush(trainer)
     assert kv.stats()["fused_keys"] == 3 and kv.stats()["comm_threshold_bytes"] == 256
-    for a, b in zip(expected, _weights(net)):
+    for a, b in zip(expected, th.weights(net)):
         np.testing.assert_array_equal(a, b)
     kv.close()

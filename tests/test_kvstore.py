@@ -9,9 +9,10 @@ import time
 import mxnet as mx
 import numpy as np
 import pytest
-from mxnet import autograd, gluon
+from mxnet import gluon
 
 import slimgc_mx
+import training_helpers as th
 from slimgc_mx import codecs
 from slimgc_mx.backup import BackupTimeout
 from slimgc_mx.kvstore import SlimGC
@@ -20,58 +21,9 @@ from slimgc_mx.threshold import NEVER
 from slimgc_mx.transport import LocalTransport, ThreadGroup
 
 
-_INIT_LOCK = threading.Lock()
-
-
 def _net(seed=0):
-    """A small MLP with seeded weights (the lock keeps worker threads from sharing the RNG)."""
-    with _INIT_LOCK:
-        mx.random.seed(seed)
-        net = gluon.nn.HybridSequential()
-        net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(4))
-        net.initialize(mx.init.Xavier())
-        net(mx.nd.zeros((1, 12)))
-        mx.nd.waitall()
-    return net
-
-
-def _batches(steps, seed=1):
-    rng = np.random.RandomState(seed)
-    return [(mx.nd.array(rng.randn(8, 12)), mx.nd.array(rng.randint(0, 4, 8))) for _ in range(steps)]
-
-
-def _train(trainer, net, batches):
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    for x, y in batches:
-        with autograd.record():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        trainer.step(x.shape[0])
-
-
-def _weights(net):
-    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
-
-
-def _in_threads(num_workers, fn):
-    """Run fn(rank, transport) on num_workers threads; re-raise the first failure."""
-    group = ThreadGroup(num_workers)
-    results, errors = [None] * num_workers, []
-
-    def run(rank):
-        try:
-            results[rank] = fn(rank, group.transport(rank))
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
+    """A small MLP with seeded weights: 2 Dense layers, 4 tensors."""
+    return th.dense_net((32, 4), seed)
 
 
 # ---------------------------------------------------------------- MXNet integration
@@ -80,7 +32,7 @@ def test_trainer_keeps_the_literal_string_with_one_context():
     net(mx.nd.ones((2, 12)))
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                             kvstore="slimgc", compression_params={"type": "2bit"})
-    _train(trainer, net, _batches(2))
+    th.train(trainer, net, th.batches(2))
     assert isinstance(trainer._kvstore, SlimGC)
     assert trainer._update_on_kvstore
     assert trainer._kvstore.config.compressor == "2bit"
@@ -93,24 +45,24 @@ def test_create_by_name_and_instance():
     net = _net()
     net(mx.nd.ones((2, 12)))
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
-    _train(trainer, net, _batches(2))
+    th.train(trainer, net, th.batches(2))
     assert trainer._kvstore is kv and kv.config.compressor == "4bit"
 
 
 @pytest.mark.parametrize("backup", [False, True])
 def test_none_codec_single_worker_matches_plain_trainer(backup):
-    batches = _batches(20)
+    batches = th.batches(20)
     ref = _net()
     ref(batches[0][0])
-    _train(gluon.Trainer(ref.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+    th.train(gluon.Trainer(ref.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                          kvstore=None), ref, batches)
     net = _net()
     net(batches[0][0])
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                             kvstore=SlimGC(compressor="none", backup=backup))
-    _train(trainer, net, batches)
+    th.train(trainer, net, batches)
     slimgc_mx.flush(trainer)
-    for a, b in zip(_weights(ref), _weights(net)):
+    for a, b in zip(th.weights(ref), th.weights(net)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
@@ -138,7 +90,7 @@ def test_allreduce_over_threads_equals_the_codec_reference(name, offload):
         kv.close()
         return outs
 
-    results = _in_threads(n, worker)
+    results = th.in_threads(n, worker)
     ref = codecs.create(name, reference=True) if name != "none" else None
     residuals = [np.zeros(size, np.float32) for _ in range(n)]
     for s in range(steps):
@@ -157,7 +109,7 @@ def test_allreduce_over_threads_equals_the_codec_reference(name, offload):
 
 @pytest.mark.parametrize("backup", [True, False])
 def test_global_weights_bitwise_equal_across_workers(backup):
-    batches = _batches(12)
+    batches = th.batches(12)
 
     def worker(rank, transport):
         net = _net()
@@ -166,13 +118,13 @@ def test_global_weights_bitwise_equal_across_workers(backup):
                     comm_threshold=256, warmup_steps=2)
         trainer = gluon.Trainer(net.collect_params(), "sgd",
                                 {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
-        _train(trainer, net, batches[rank::2] * 2)
+        th.train(trainer, net, batches[rank::2] * 2)
         slimgc_mx.flush(trainer)
         stats = kv.stats()
         kv.close()
-        return _weights(net), stats
+        return th.weights(net), stats
 
-    (w0, s0), (w1, s1) = _in_threads(2, worker)
+    (w0, s0), (w1, s1) = th.in_threads(2, worker)
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)
     assert s0["bytes_pushed"] < s0["bytes_fp32"]  # the 32x12 weight went compressed
@@ -197,7 +149,7 @@ def test_backup_local_step_then_global_weights():
         kv.close()
         return local, glob
 
-    (l0, g0), (l1, g1) = _in_threads(2, worker)
+    (l0, g0), (l1, g1) = th.in_threads(2, worker)
     np.testing.assert_allclose(l0, w0 - lr * 2 * g[0], rtol=1e-6)
     np.testing.assert_allclose(l1, w0 - lr * 2 * g[1], rtol=1e-6)
     np.testing.assert_allclose(g0, w0 - lr * (g[0] + g[1]), rtol=1e-6)
@@ -262,7 +214,7 @@ def test_every_worker_adopts_rank0s_threshold(monkeypatch):
         kv.close()
         return best
 
-    assert _in_threads(2, worker) == [4096, 4096]
+    assert th.in_threads(2, worker) == [4096, 4096]
 
 
 def test_forced_modes():
@@ -362,7 +314,7 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
         kv.close()
         return info.value, before, after, param
 
-    for err, before, after, param in _in_threads(2, worker):
+    for err, before, after, param in th.in_threads(2, worker):
         assert isinstance(err.__cause__, NonFiniteAggregateError)
         assert "key 0, step 1" in str(err) or "key 0 (fused), step 1" in str(err)
         np.testing.assert_array_equal(before, after)
@@ -373,7 +325,7 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
 @pytest.mark.parametrize("comm_threshold", ["off", 256])  # all compressed; biases fused
 def test_checkpoint_resume_is_bitwise_identical(tmp_path, comm_threshold):
     """2 workers, 2bit, backup on: stop after k steps, resume in new objects, same weights."""
-    batches = _batches(16, seed=3)
+    batches = th.batches(16, seed=3)
     k = 8
 
     def make(transport):
@@ -387,17 +339,17 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, comm_threshold):
 
     def uninterrupted(rank, transport):
         net, kv, trainer = make(transport)
-        _train(trainer, net, batches[rank::2][:k // 2] * 2)
+        th.train(trainer, net, batches[rank::2][:k // 2] * 2)
         trainer.save_states(str(tmp_path / ("full%d.states" % rank)))
-        _train(trainer, net, batches[rank::2][k // 2:] * 2)
+        th.train(trainer, net, batches[rank::2][k // 2:] * 2)
         slimgc_mx.flush(trainer)
         assert kv.stats()["fused_keys"] == (0 if comm_threshold == "off" else 2)
         kv.close()
-        return _weights(net)
+        return th.weights(net)
 
     def first_half(rank, transport):
         net, kv, trainer = make(transport)
-        _train(trainer, net, batches[rank::2][:k // 2] * 2)
+        th.train(trainer, net, batches[rank::2][:k // 2] * 2)
         trainer.save_states(str(tmp_path / ("half%d.states" % rank)))
         net.save_parameters(str(tmp_path / ("half%d.params" % rank)))
         kv.close()
@@ -406,14 +358,14 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, comm_threshold):
         net, kv, trainer = make(transport)
         net.load_parameters(str(tmp_path / ("half%d.params" % rank)))
         trainer.load_states(str(tmp_path / ("half%d.states" % rank)))
-        _train(trainer, net, batches[rank::2][k // 2:] * 2)
+        th.train(trainer, net, batches[rank::2][k // 2:] * 2)
         slimgc_mx.flush(trainer)
         kv.close()
-        return _weights(net)
+        return th.weights(net)
 
-    full = _in_threads(2, uninterrupted)
-    _in_threads(2, first_half)
-    resumed = _in_threads(2, second_half)
+    full = th.in_threads(2, uninterrupted)
+    th.in_threads(2, first_half)
+    resumed = th.in_threads(2, second_half)
     for rank in range(2):
         for a, b in zip(full[rank], resumed[rank]):
             np.testing.assert_array_equal(a, b)
@@ -489,7 +441,7 @@ def test_consistency_audit_names_the_first_diverging_parameter():
         kv.close()
         return ok, str(info.value)
 
-    (ok0, msg0), (ok1, msg1) = _in_threads(2, worker)
+    (ok0, msg0), (ok1, msg1) = th.in_threads(2, worker)
     np.testing.assert_array_equal(ok0[0], ok1[0])
     assert "ranks [0]" in msg0 and "ranks [1]" in msg0
     assert "step 2" in msg1

@@ -1,0 +1,70 @@
+"""Shared by the in-process kvstore tests: small seeded nets, batches, a training loop, and
+workers as threads on a ThreadGroup transport."""
+import threading
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+from slimgc_mx.transport import ThreadGroup
+
+_INIT_LOCK = threading.Lock()  # worker threads must not share MXNet's RNG while seeding
+
+
+def dense_net(units, seed=0, prefix=None):
+    """Dense layers of `units` (ReLU between them) on 12 inputs, with seeded weights.
+
+    With `prefix` the parameter names, hence gluon.Trainer's key order (sorted
+    names), are the same for every net built, as a checkpoint needs.
+    """
+    with _INIT_LOCK:
+        mx.random.seed(seed)
+        net = gluon.nn.HybridSequential(prefix=prefix)
+        with net.name_scope():
+            for i, n in enumerate(units):
+                net.add(gluon.nn.Dense(n, activation="relu" if i + 1 < len(units) else None))
+        net.initialize(mx.init.Xavier())
+        net(mx.nd.zeros((1, 12)))
+        mx.nd.waitall()
+    return net
+
+
+def batches(steps, seed=1):
+    rng = np.random.RandomState(seed)
+    return [(mx.nd.array(rng.randn(8, 12)), mx.nd.array(rng.randint(0, 4, 8)))
+            for _ in range(steps)]
+
+
+def train(trainer, net, data):
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    for x, y in data:
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        loss.asnumpy()  # waits for this forward pass, which reads the last step's weights
+        trainer.step(x.shape[0])
+
+
+def weights(net):
+    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
+
+
+def in_threads(num_workers, fn):
+    """Run fn(rank, transport) on num_workers threads; re-raise the first failure."""
+    group = ThreadGroup(num_workers)
+    results, errors = [None] * num_workers, []
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank, group.transport(rank))
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
