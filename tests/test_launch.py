@@ -25,7 +25,7 @@ role, idx = os.environ["DMLC_ROLE"], int(os.environ["SLIMGC_LAUNCH_INDEX"])
 name = "%s-%d" % (role, idx)
 
 def write_pid(fname, pid):
-    tmp = os.path.join(outdir, "." + fname)
+    tmp = os.path.join(outdir, fname + ".tmp")  # not "*.pid": readers skip it until renamed
     with open(tmp, "w") as f:
         f.write(str(pid))
     os.rename(tmp, os.path.join(outdir, fname))
