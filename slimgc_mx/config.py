@@ -96,6 +96,10 @@ class SlimGCConfig:
             raise ValueError("warmup_steps must be an integer >= 2 (one compressed and one "
                              "full-precision step per key), got %r" % (self.warmup_steps,))
         check_rule(self.cttab_rule)
+        for name in ("backup", "offload", "fuse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError("%s must be True or False, got %r (from a string, use %s)"
+                                 % (name, getattr(self, name), _BOOL))
         if self.loc_lr is not None and not (math.isfinite(self.loc_lr) and self.loc_lr > 0):
             raise ValueError("loc_lr must be a positive finite number, got %r" % (self.loc_lr,))
         if self.num_threads is not None and (not isinstance(self.num_threads, int)

@@ -39,10 +39,18 @@ def test_trainer_compression_params_style():
     ({"num_threads": 0}, "num_threads must be an integer >= 1"),
     ({"loc_lr": -0.1}, "loc_lr must be a positive finite number"),
     ({"compresion": "2bit"}, "unknown SlimGC option 'compresion'; valid: type, compressor"),
+    ({"backup": 1}, "backup must be True or False, got 1"),
+    ({"offload": None}, "offload must be True or False, got None"),
+    ({"fuse": [True]}, r"fuse must be True or False, got \[True\]"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SlimGCConfig.from_sources(options, environ={})
+
+
+def test_direct_construction_is_validated_too():
+    with pytest.raises(ValueError, match="backup must be True or False, got 'no'"):
+        SlimGCConfig(backup="no")
 
 
 def test_bad_environment_value_names_the_variable():
