@@ -84,7 +84,8 @@ def build_parser():
                         "buffer per server")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=sorted(models.MODELS), default="cnn1d",
-                   help="mlp: flat inputs; cnn1d: 1-D signals; resnet20, vgg: (3,32,32) images")
+                   help="mlp, fc: any inputs, flattened; cnn1d: 1-D signals; resnet20, vgg: "
+                        "(3,32,32) images")
     g.add_argument("--dataset", choices=sorted(datasets.DATASETS), default="mnist1d",
                    help="mnist1d, digits: real; synthetic-*: random images for throughput "
                         "(synthetic-imagenet is (3,224,224), 1000 classes)")

@@ -5,7 +5,7 @@ import pytest
 
 from slimgc_mx.models import MODELS, count_params, get_model
 
-SHAPES = {"mlp": (40,), "cnn1d": (40,), "resnet20": (3, 32, 32), "vgg": (3, 32, 32)}
+SHAPES = {"mlp": (40,), "fc": (3, 32, 32), "cnn1d": (40,), "resnet20": (3, 32, 32), "vgg": (3, 32, 32)}
 
 
 def _built(name, input_shape, num_classes=10, hybridize=False):
@@ -25,7 +25,7 @@ def test_output_shape(name):
 
 
 def test_names_are_the_documented_ones():
-    assert sorted(MODELS) == ["cnn1d", "mlp", "resnet20", "vgg"]
+    assert sorted(MODELS) == ["cnn1d", "fc", "mlp", "resnet20", "vgg"]
 
 
 def test_unknown_name_lists_valid_names():
@@ -98,3 +98,11 @@ def test_cnn1d_weights_stay_writable_after_inference():
         (mx.nd.ones(w.shape) * 0.25).copyto(w)
         w.wait_to_read()
         assert float(w.asnumpy().mean()) == pytest.approx(0.25)
+
+
+def test_fc_is_vgg_sized_with_three_big_tensors():
+    net, _ = _built("fc", (3, 32, 32))
+    n, tensors = count_params(net)
+    assert n == 3072 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
+    sizes = sorted(p.data().size for p in net.collect_params().values())
+    assert tensors == 6 and sizes[-2:] == [3072 * 4096, 4096 * 4096]
