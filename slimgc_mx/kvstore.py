@@ -111,7 +111,8 @@ class SlimGC(KVStoreBase):
             self._cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule)
         transport.check_exact_sums()
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
-                                         lanes=self._lane_format()))
+                                         lanes=self._lane_format(),
+                                         bigarray_bound=transport.bigarray_bound))
         engine = EngineNotifier()
         self._backup = ModelBackup(cfg.backup, cfg.timeout, engine)
         self._pipeline = Pipeline(transport, self._finish, self._backup.fail, engine)

@@ -248,6 +248,7 @@ class Transport:
     num_servers = 1
     kind = "abstract"
     timeout = None
+    bigarray_bound = None  # elements from which MXNet splits an array over all servers
 
     def declare(self, wire_key, buf):
         """Create `wire_key` with the shape and dtype of `buf` (collective)."""
@@ -302,6 +303,15 @@ _PROBE_KEY_BASE = _CONTROL_KEY_BASE + 4096
 FUSED_KEY_BASE = _CONTROL_KEY_BASE + 16384
 
 
+# MXNet splits an array evenly over all servers only from MXNET_KVSTORE_BIGARRAY_BOUND
+# elements on (default 10**6); smaller ones go whole to server (key * 9973) % S. A float64
+# lane packs about 20 gradient elements, so at that default no compressed key is ever
+# split, and the wire keys 3 * index + 1 of same-parity indices all land on one server
+# (with 2 servers, every weight of a Dense stack). Unless the user set the variable, the
+# dist transport lowers the bound to 2 MB of lanes (1 MB of float32).
+BIGARRAY_BOUND = 1 << 18
+
+
 def _probe_values(rank):
     """What worker `rank` pushes in the precision probe: integers float32 cannot hold."""
     return np.array([2.0 ** 48 + 2 * rank + 1, 2.0 ** 30 + rank, 1.0], dtype=np.float64)
@@ -313,6 +323,9 @@ class DistTransport(Transport):
     kind = "dist_sync"
 
     def __init__(self, timeout=None):
+        # Read by MXNet when the kvstore is created; a value the user set stays.
+        os.environ.setdefault("MXNET_KVSTORE_BIGARRAY_BOUND", str(BIGARRAY_BOUND))
+        self.bigarray_bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
         self._kv = mx.kv.create("dist_sync")
         self.rank = self._kv.rank
         self.num_workers = self._kv.num_workers

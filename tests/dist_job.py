@@ -65,6 +65,7 @@ def main():
     info = {"rank": rank, "num_workers": kv.num_workers, "sha256": digest.hexdigest()}
     if args.kvstore == "slimgc":
         info["stats"] = trainer._kvstore.stats()
+        info["bigarray_bound"] = trainer._kvstore._ensure_transport().bigarray_bound
     if lanes:
         np.savez(os.path.join(args.out, "lanes_rank%d.npz" % rank), **lanes)
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:

@@ -7,13 +7,15 @@ import sys
 import numpy as np
 import pytest
 
+from slimgc_mx.transport import BIGARRAY_BOUND
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.multiprocess
 
 
-def _launch(workers, servers, command, timeout):
+def _launch(workers, servers, command, timeout, options=()):
     argv = [sys.executable, "-m", "slimgc_mx.launch", "-n", str(workers), "-s", str(servers),
-            "--launcher", "local", "--"] + command
+            "--launcher", "local"] + list(options) + ["--"] + command
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
@@ -32,6 +34,7 @@ def test_none_without_backup_follows_mxnet_dist_sync(tmp_path):
     info, ours = _job(tmp_path, "slimgc", "--kvstore", "slimgc", "--compressor", "none",
                       "--no-backup", "--steps", "20")
     assert info[0]["sha256"] == info[1]["sha256"]
+    assert info[0]["bigarray_bound"] == BIGARRAY_BOUND  # set before MXNet's kvstore read it
     for name in ref[0]:
         np.testing.assert_allclose(ours[0][name], ref[0][name], rtol=0, atol=1e-5)
     # from step 2 on, the 4 tensors travel as one fused bucket per server
@@ -52,12 +55,19 @@ def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):
     assert stats["bytes_fp32"] > 0
 
 
-def test_servers_sum_packed_lanes_exactly(tmp_path):
+@pytest.mark.parametrize("bound", [None, 32])
+def test_servers_sum_packed_lanes_exactly(tmp_path, bound):
     # The server's float64 sum of the workers' lanes must be exact: a float32 sum (MXNet 1.9.1
     # servers whose multi_precision_ flag starts set) changes the decoded levels silently.
+    # With a bound of 32 elements MXNet splits the first layer's ~94 lanes over both servers
+    # and sends the second layer's ~30 whole: both placements must sum exactly.
     out = tmp_path / "lanes"
+    options = [] if bound is None else ["--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % bound]
     _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor", "2bit",
-                   "--comm-threshold", "off", "--steps", "6", "--record-lanes"], 180)
+                   "--comm-threshold", "off", "--steps", "6", "--record-lanes"], 180, options)
+    info = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
+    assert [i["bigarray_bound"] for i in info] == [bound or BIGARRAY_BOUND] * 2
+    assert info[0]["sha256"] == info[1]["sha256"]
     lanes = [dict(np.load(out / ("lanes_rank%d.npz" % r))) for r in range(2)]
     sums = [name for name in lanes[0] if name.startswith("sum_")]
     assert len(sums) >= 2 * 6  # both weight tensors, every step
