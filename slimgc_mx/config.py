@@ -98,8 +98,9 @@ class SlimGCConfig:
         check_rule(self.cttab_rule)
         for name in ("backup", "offload", "fuse"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError("%s must be True or False, got %r (from a string, use %s)"
-                                 % (name, getattr(self, name), _BOOL))
+                raise ValueError("%s must be True or False, got %r (strings such as 'off' "
+                                 "are parsed by from_sources() and replace())"
+                                 % (name, getattr(self, name)))
         if self.loc_lr is not None and not (math.isfinite(self.loc_lr) and self.loc_lr > 0):
             raise ValueError("loc_lr must be a positive finite number, got %r" % (self.loc_lr,))
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
