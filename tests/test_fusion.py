@@ -70,22 +70,10 @@ def test_buckets_cut_the_keys_in_order_one_per_server(servers):
 def _fused_and_key_by_key(backup, comm_threshold, steps=10):
     """Weights and stats of the same 2-worker job with fusion on and off."""
     batches = th.batches(steps)
-    out = {}
-    for fuse in (True, False):
-        def worker(rank, transport):
-            net = _net()
-            kv = SlimGC(transport=transport, compressor="2bit", threshold=0.01, backup=backup,
-                        comm_threshold=comm_threshold, warmup_steps=2, fuse=fuse, timeout=30)
-            trainer = gluon.Trainer(net.collect_params(), "sgd",
-                                    {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
-            th.train(trainer, net, batches[rank::2] * 2)
-            slimgc_mx.flush(trainer)
-            stats = kv.stats()
-            kv.close()
-            return th.weights(net), stats
-
-        out[fuse] = th.in_threads(2, worker)
-    return out
+    return {fuse: th.slimgc_workers(2, _net, batches, compressor="2bit", threshold=0.01,
+                                    backup=backup, comm_threshold=comm_threshold,
+                                    warmup_steps=2, fuse=fuse, timeout=30)
+            for fuse in (True, False)}
 
 
 @pytest.mark.parametrize("backup", [True, False])

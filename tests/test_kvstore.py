@@ -109,22 +109,9 @@ def test_allreduce_over_threads_equals_the_codec_reference(name, offload):
 
 @pytest.mark.parametrize("backup", [True, False])
 def test_global_weights_bitwise_equal_across_workers(backup):
-    batches = th.batches(12)
-
-    def worker(rank, transport):
-        net = _net()
-        net(batches[0][0])
-        kv = SlimGC(transport=transport, compressor="2bit", threshold=0.01, backup=backup,
-                    comm_threshold=256, warmup_steps=2)
-        trainer = gluon.Trainer(net.collect_params(), "sgd",
-                                {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
-        th.train(trainer, net, batches[rank::2] * 2)
-        slimgc_mx.flush(trainer)
-        stats = kv.stats()
-        kv.close()
-        return th.weights(net), stats
-
-    (w0, s0), (w1, s1) = th.in_threads(2, worker)
+    (w0, s0), (w1, s1) = th.slimgc_workers(2, _net, th.batches(12), compressor="2bit",
+                                           threshold=0.01, backup=backup, comm_threshold=256,
+                                           warmup_steps=2)
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)
     assert s0["bytes_pushed"] < s0["bytes_fp32"]  # the 32x12 weight went compressed

@@ -6,6 +6,8 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
+import slimgc_mx
+from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.transport import ThreadGroup
 
 _INIT_LOCK = threading.Lock()  # worker threads must not share MXNet's RNG while seeding
@@ -68,3 +70,20 @@ def in_threads(num_workers, fn):
     if errors:
         raise errors[0]
     return results
+
+
+def slimgc_workers(num_workers, make_net, data, **options):
+    """Train make_net() on num_workers threads through SlimGC(**options) and SGD (lr 0.1,
+    momentum 0.9), worker r on data[r::num_workers] twice; [(weights, stats)] per rank."""
+    def worker(rank, transport):
+        net = make_net()
+        kv = SlimGC(transport=transport, **options)
+        trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+        train(trainer, net, data[rank::num_workers] * 2)
+        slimgc_mx.flush(trainer)
+        stats = kv.stats()
+        kv.close()
+        return weights(net), stats
+
+    return in_threads(num_workers, worker)
