@@ -15,6 +15,7 @@ from .threshold import check_rule
 ENV_PREFIX = "SLIMGC_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_BOOL_FIELDS = ("backup", "offload", "fuse")
 
 
 @dataclasses.dataclass
@@ -96,7 +97,7 @@ class SlimGCConfig:
             raise ValueError("warmup_steps must be an integer >= 2 (one compressed and one "
                              "full-precision step per key), got %r" % (self.warmup_steps,))
         check_rule(self.cttab_rule)
-        for name in ("backup", "offload", "fuse"):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError("%s must be True or False, got %r (strings such as 'off' "
                                  "are parsed by from_sources() and replace())"
@@ -143,7 +144,7 @@ def _parse(name, raw, where):
     """Parse one option given as a string (environment or CLI)."""
     raw = raw.strip()
     try:
-        if name in ("backup", "offload", "fuse"):
+        if name in _BOOL_FIELDS:
             low = raw.lower()
             if low in _TRUE:
                 return True
@@ -163,7 +164,7 @@ def _parse(name, raw, where):
 
 
 _BOOL = "1/0, true/false, yes/no or on/off"
-_EXPECTED = {"backup": _BOOL, "offload": _BOOL, "fuse": _BOOL,
+_EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
              "threshold": "a number", "timeout": "a number of seconds", "loc_lr": "a number",
              "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
              "comm_threshold": "'auto', 'off' or a size in bytes"}
