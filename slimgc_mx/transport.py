@@ -312,6 +312,18 @@ FUSED_KEY_BASE = _CONTROL_KEY_BASE + 16384
 BIGARRAY_BOUND = 1 << 18
 
 
+def _bigarray_bound(raw):
+    """MXNET_KVSTORE_BIGARRAY_BOUND as a positive integer, or a ValueError naming it."""
+    try:
+        bound = int(raw)
+    except ValueError:
+        bound = 0
+    if bound < 1:
+        raise ValueError("MXNET_KVSTORE_BIGARRAY_BOUND=%r: expected a positive number of "
+                         "elements (unset it to use %d)" % (raw, BIGARRAY_BOUND))
+    return bound
+
+
 def _probe_values(rank):
     """What worker `rank` pushes in the precision probe: integers float32 cannot hold."""
     return np.array([2.0 ** 48 + 2 * rank + 1, 2.0 ** 30 + rank, 1.0], dtype=np.float64)
@@ -325,7 +337,7 @@ class DistTransport(Transport):
     def __init__(self, timeout=None):
         # Read by MXNet when the kvstore is created; a value the user set stays.
         os.environ.setdefault("MXNET_KVSTORE_BIGARRAY_BOUND", str(BIGARRAY_BOUND))
-        self.bigarray_bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
+        self.bigarray_bound = _bigarray_bound(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
         self._kv = mx.kv.create("dist_sync")
         self.rank = self._kv.rank
         self.num_workers = self._kv.num_workers

@@ -18,7 +18,7 @@ from slimgc_mx.backup import BackupTimeout
 from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.pipeline import PipelineError
 from slimgc_mx.threshold import NEVER
-from slimgc_mx.transport import LocalTransport, ThreadGroup
+from slimgc_mx.transport import LocalTransport, ThreadGroup, _bigarray_bound
 
 
 def _net(seed=0):
@@ -448,3 +448,11 @@ def test_a_step_after_a_failure_names_the_original_error():
         with pytest.raises(PipelineError, match=r"\(key 0, step 0\): link down \(injected\)"):
             kv.pushpull(k, mx.nd.ones(10), out=ws[k])
     kv.close()
+
+
+@pytest.mark.parametrize("raw", ["lots", "0", "-5", ""])
+def test_a_bad_bigarray_bound_names_the_variable(raw):
+    with pytest.raises(ValueError, match="MXNET_KVSTORE_BIGARRAY_BOUND=%r: expected a positive"
+                       % raw):
+        _bigarray_bound(raw)
+    assert _bigarray_bound(" 32 ") == 32
