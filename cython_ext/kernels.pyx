@@ -480,3 +480,78 @@ def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
     if bad:
         raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
                          "(wrong codec, worker count or corrupted data)" % bad)
+
+
+# ---------------------------------------------------------------- optimizer step
+# MXNet SGD's update rule (sgd_update / sgd_mom_update), one pass over CPU buffers:
+#   g' = clip(rescale * g)              (no clip when clip < 0)
+#   m  = momentum * mom_in - lr*wd * w - lr * g'
+#   out = w + m;  mom_out = m           (with momentum)
+#   out = (1 - lr*wd) * w - lr * g'     (without: mom_in and mom_out are NULL)
+# out may be w and mom_out may be mom_in (in place), or separate (the local update
+# reads the global weights and momentum and writes neither).
+
+cdef enum:
+    SGD_CHUNK = 65536
+
+
+cdef void _sgd_chunk(const float* w, const float* g, const float* mom_in, float* mom_out,
+                     float* out, Py_ssize_t lo, Py_ssize_t hi, float lr, float wd,
+                     float rescale, float momentum, float clip) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float gr, m
+    cdef float lr_wd = lr * wd
+    cdef float decay = 1.0 - lr * wd
+    cdef float lr_rescale = lr * rescale
+    if mom_in == NULL:
+        if clip >= 0:
+            for i in range(lo, hi):
+                gr = min(max(rescale * g[i], -clip), clip)
+                out[i] = decay * w[i] - lr * gr
+        else:
+            for i in range(lo, hi):
+                out[i] = decay * w[i] - lr_rescale * g[i]
+    elif clip >= 0:
+        for i in range(lo, hi):
+            gr = min(max(rescale * g[i], -clip), clip)
+            m = momentum * mom_in[i] - lr_wd * w[i] - lr * gr
+            if mom_out != NULL:
+                mom_out[i] = m
+            out[i] = w[i] + m
+    elif mom_out != NULL:
+        for i in range(lo, hi):
+            m = momentum * mom_in[i] - lr_wd * w[i] - lr_rescale * g[i]
+            mom_out[i] = m
+            out[i] = w[i] + m
+    else:
+        for i in range(lo, hi):
+            out[i] = w[i] + (momentum * mom_in[i] - lr_wd * w[i] - lr_rescale * g[i])
+
+
+def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mom_in,
+             float[::1] mom_out, float[::1] out, float lr, float wd, float rescale,
+             float momentum, float clip, int num_threads):
+    """One SGD step: out (and mom_out) from weight, grad and mom_in; see the rule above.
+
+    mom_in None: plain SGD. mom_out None: the momentum is read, not written.
+    """
+    cdef Py_ssize_t n = weight.shape[0], c, n_chunks
+    if grad.shape[0] != n or out.shape[0] != n:
+        raise ValueError("sgd_step: weight %d, grad %d and out %d elements differ"
+                         % (n, grad.shape[0], out.shape[0]))
+    if mom_in is None and mom_out is not None:
+        raise ValueError("sgd_step: mom_out needs mom_in")
+    if mom_in is not None and mom_in.shape[0] != n or mom_out is not None and mom_out.shape[0] != n:
+        raise ValueError("sgd_step: momentum buffers must have %d elements" % n)
+    if n == 0:
+        return
+    cdef const float* w = &weight[0]
+    cdef const float* g = &grad[0]
+    cdef const float* mi = &mom_in[0] if mom_in is not None else NULL
+    cdef float* mo = &mom_out[0] if mom_out is not None else NULL
+    cdef float* o = &out[0]
+    n_chunks = _ceil_div(n, SGD_CHUNK)
+    with nogil:
+        for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
+            _sgd_chunk(w, g, mi, mo, o, c * SGD_CHUNK, min((c + 1) * SGD_CHUNK, n), lr, wd,
+                       rescale, momentum, clip)

@@ -6,6 +6,7 @@ zero-copy NumPy view of it), so codecs write straight into what MXNet sends.
 """
 import ctypes
 import itertools
+import logging
 import os
 import threading
 
@@ -15,6 +16,7 @@ from mxnet.base import _LIB, NDArrayHandle, check_call
 
 from .servers import SERVER_ENV_TEXT
 
+log = logging.getLogger(__name__)
 _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
 
 
@@ -150,15 +152,18 @@ def async_engine():
 
 
 class EngineNotifier:
-    """Hooks into MXNet's engine: callbacks when an array is ready, and write holds.
+    """Hooks into MXNet's engine: callbacks when an array is ready, CPU work in order, write holds.
 
     `when_readable` pushes a tiny operator that reads the array; the engine runs
     it right after the array's producer (e.g. the copy of a gradient that backward
-    has just finished), so keys are consumed as they become ready. `hold` pushes
-    an asynchronous operator that writes the array and completes on release.
+    has just finished), so keys are consumed as they become ready. `run` pushes a
+    Python function as an operator that reads and writes given arrays. `hold`
+    pushes an asynchronous operator that writes the array and completes on release.
+    An exception in a function run by the engine goes to `on_error` (else the log).
     """
 
-    def __init__(self):
+    def __init__(self, on_error=None):
+        self.on_error = on_error
         self._callbacks = {}
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
@@ -171,7 +176,14 @@ class EngineNotifier:
             return self._callbacks.pop(token)
 
     def _fire(self, run_context, token):
-        self._pop(token)()
+        fn = self._pop(token)
+        try:
+            fn()
+        except BaseException as exc:  # an engine thread: nobody above would see it
+            if self.on_error is None:
+                log.exception("slimgc: a function run by MXNet's engine failed")
+            else:
+                self.on_error(exc)
 
     def _grant(self, run_context, on_complete, token):
         callback = _OnComplete.from_buffer_copy(
@@ -185,9 +197,20 @@ class EngineNotifier:
         return ctypes.c_void_p(token)
 
     def when_readable(self, nd, callback):
+        """Call callback() on an engine thread once every pending write of `nd` is done."""
+        self.run(callback, [nd], [])
+
+    def run(self, fn, reads, writes):
+        """Call fn() on an engine thread after the pending writes of `reads` and all pending
+        access to `writes`; operators pushed later wait for it as for any writer of `writes`.
+
+        fn must not wait on the engine (it holds these arrays): use Buffer.held().
+        """
         check_call(_LIB.MXEnginePushSyncND(
-            self._func, self._register(callback), None, ctypes.byref(self._cpu),
-            (NDArrayHandle * 1)(nd.handle), 1, None, 0, None, 0, None))
+            self._func, self._register(fn), None, ctypes.byref(self._cpu),
+            (NDArrayHandle * len(reads))(*[nd.handle for nd in reads]), len(reads),
+            (NDArrayHandle * len(writes))(*[nd.handle for nd in writes]), len(writes),
+            None, 0, None))
 
     def hold(self, nd):
         """A WriteHold on `nd`; needs the asynchronous engine (see async_engine)."""

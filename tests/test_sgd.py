@@ -1,0 +1,91 @@
+"""The SGD kernel: bitwise MXNet's sgd_update / sgd_mom_update, and the momentum kept in the Updater."""
+import mxnet as mx
+import numpy as np
+import pytest
+
+from slimgc_mx import sgd
+from slimgc_mx.backup import clone_optimizer
+from slimgc_mx.codecs.base import kernels
+from slimgc_mx.sgd import SGDKernel
+from slimgc_mx.transport import Buffer
+
+
+def _buffer(values):
+    buf = Buffer(values.shape, np.float32)
+    buf.for_write()[:] = values.reshape(-1)
+    return buf
+
+
+def _sgd_setup(momentum):
+    params = {0: mx.gluon.Parameter("w", shape=(50,), lr_mult=0.5, wd_mult=2.0)}
+    return mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
+                            clip_gradient=2.0, param_dict=params,
+                            lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
+
+
+@pytest.mark.parametrize("clip", [-1.0, 0.7])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_step_is_bitwise_mxnet_op(momentum, clip):
+    n = 200003  # several chunks, the last one partial
+    rng = np.random.RandomState(1)
+    w, g, m = (rng.randn(n).astype(np.float32) for _ in range(3))
+    lr, wd, rescale = 0.05, 1e-3, 1.0 / 64
+    W, G, M = mx.nd.array(w), mx.nd.array(g) * 50, mx.nd.array(m)
+    kwargs = dict(lr=lr, wd=wd, rescale_grad=rescale)
+    if clip > 0:
+        kwargs["clip_gradient"] = clip
+    if momentum:
+        mx.nd.sgd_mom_update(W, G, M, out=W, momentum=momentum, **kwargs)
+    else:
+        mx.nd.sgd_update(W, G, out=W, **kwargs)
+    for threads in (1, 3):
+        w2, m2 = w.copy(), m.copy()
+        mom = m2 if momentum else None
+        kernels().sgd_step(w2, G.asnumpy(), mom, mom, w2, lr, wd, rescale, momentum, clip, threads)
+        np.testing.assert_array_equal(w2, W.asnumpy())
+        np.testing.assert_array_equal(m2, M.asnumpy() if momentum else m)
+        # Out of place, momentum only read: the same weights, nothing else written.
+        out, m3 = np.zeros_like(w), m.copy()
+        kernels().sgd_step(w, G.asnumpy(), m3 if momentum else None, None, out, lr, wd, rescale,
+                           momentum, clip, threads)
+        np.testing.assert_array_equal(out, W.asnumpy())
+        np.testing.assert_array_equal(m3, m)
+
+
+def test_sgd_step_rejects_mismatched_buffers():
+    a, b = np.zeros(4, np.float32), np.zeros(5, np.float32)
+    with pytest.raises(ValueError, match="differ"):
+        kernels().sgd_step(a, b, None, None, a, 0.1, 0.0, 1.0, 0.0, -1.0, 1)
+    with pytest.raises(ValueError, match="momentum buffers"):
+        kernels().sgd_step(a, a, b, None, a, 0.1, 0.0, 1.0, 0.9, -1.0, 1)
+    with pytest.raises(ValueError, match="mom_out needs mom_in"):
+        kernels().sgd_step(a, a, None, a, a, 0.1, 0.0, 1.0, 0.9, -1.0, 1)
+
+
+def test_only_mxnet_sgd_itself_is_supported():
+    class MySGD(mx.optimizer.SGD):
+        pass
+    assert sgd.supports(mx.optimizer.SGD())
+    assert not sgd.supports(MySGD())
+    assert not sgd.supports(mx.optimizer.Adam())
+
+
+def test_sgd_kernel_takes_a_loaded_momentum():
+    """After set_states (a checkpoint) the kernel continues from the loaded momentum."""
+    opt = _sgd_setup(0.9)
+    agg = _buffer(np.full(50, 0.5, np.float32))
+    updater = mx.optimizer.get_updater(clone_optimizer(opt))
+    kernel = SGDKernel(updater, num_threads=1)
+    glo = _buffer(np.ones(50, np.float32))
+    kernel.global_step([0], [agg], [glo])
+    saved, after_one = updater.get_states(dump_optimizer=True), glo.for_read().copy()
+    kernel.global_step([0], [agg], [glo])  # the uninterrupted second step
+
+    other = mx.optimizer.get_updater(clone_optimizer(opt))
+    other.set_states(saved)
+    resumed, weights = SGDKernel(other, num_threads=1), _buffer(after_one)
+    resumed.global_step([0], [agg], [weights])
+    np.testing.assert_array_equal(weights.for_read(), glo.for_read())
+    other.states[1] = mx.nd.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        resumed.momentum(1, (50,))
