@@ -22,6 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from slimgc_mx.backup import LocalUpdater, clone_optimizer  # noqa: E402
+from slimgc_mx.sgd import SGDKernel  # noqa: E402
 from slimgc_mx.transport import Buffer, EngineNotifier  # noqa: E402
 
 
@@ -48,16 +49,19 @@ def operations(n):
     ws = [mx.nd.ones(n) for _ in range(FUSED_KEYS)]
     gs = [mx.nd.ones(n) for _ in range(FUSED_KEYS)]
     indices = list(range(FUSED_KEYS))
-    local = LocalUpdater(opt, 2, global_updater=updater)
     engine = EngineNotifier()
-    agg = Buffer((n,), np.float32)
+    kernel_updater = mx.optimizer.get_updater(clone_optimizer(opt))
+    kernel = SGDKernel(kernel_updater, num_threads=1)
+    local = LocalUpdater(opt, 2, global_updater=kernel_updater, kernel=kernel, engine=engine)
+    agg, glo, grad, loc = (Buffer((n,), np.float32) for _ in range(4))
     return {
         "global update (MXNet Updater)": (lambda: updater(0, g, w), 1),
         "global update, %d keys per call" % FUSED_KEYS: (lambda: many(indices, gs, ws),
                                                          FUSED_KEYS),
+        "global update (SGD kernel)": (lambda: kernel.global_step([0], [agg], [glo]), 1),
         "sgd_mom_update op alone": (lambda: mx.nd.sgd_mom_update(
             w, g, mom, out=out, lr=0.01, wd=0.0, momentum=0.9, rescale_grad=1 / 32), 1),
-        "local update (fused SGD)": (lambda: local(0, g, w, out), 1),
+        "local update (SGD kernel, engine)": (lambda: local(1, grad, glo, loc), 1),
         "NDArray copyto": (lambda: g.copyto(out), 1),
         "engine callback (when_readable)": (lambda: engine.when_readable(g, lambda: None), 1),
         "finite check (numpy)": (lambda: np.isfinite(agg.for_read()).all(), 1),

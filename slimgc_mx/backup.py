@@ -1,11 +1,12 @@
 """Model backup (SlimGC Strategy 3): glo_buf, loc_buf and the status flag of paper §3.6.
 
 Per key, glo_buf holds the global weights w_i and `version` says which i. At
-step i the training thread waits for version i, writes
-loc_buf = w_i - loc_lr * g_loc into the parameters (the local update) and sets
-the flag 0 -> 1; it then returns and computes step i+1 while step i is still
-being aggregated. The aggregation thread may overwrite glo_buf with w_{i+1} only
-while the flag is 1 (the local update has read w_i); it then sets it 1 -> 0 and
+step i the training thread waits for version i, computes
+loc_buf = w_i - loc_lr * g_loc (the local update), copies it into the parameters
+and sets the flag 0 -> 1; it then returns and computes step i+1 while step i is
+still being aggregated. The aggregation thread may overwrite glo_buf with w_{i+1}
+only while the flag is 1 (the local update has read w_i, or is queued in MXNet's
+engine, which orders it before that write); it then sets it 1 -> 0 and
 publishes version i+1. With backup off the parameters get w_{i+1} (synchronous
 SGD); the training thread does not wait for it: a write hold in MXNet's engine
 makes the next forward pass wait instead, as MXNet's own kvstore does.
@@ -25,13 +26,14 @@ class BackupTimeout(TimeoutError):
 
 
 class _Slot:
-    __slots__ = ("glo", "version", "flag", "loc_bufs", "staged", "pending")
+    __slots__ = ("glo", "loc", "version", "flag", "params", "staged", "pending")
 
     def __init__(self, glo):
         self.glo = glo  # glo_buf, a Buffer
         self.version = 0
         self.flag = 0
-        self.loc_bufs = None  # the parameter arrays the trainer reads (loc_buf)
+        self.loc = None  # backup on: loc_buf, the local update's result, a Buffer
+        self.params = None  # the parameter arrays the trainer reads (loc_buf or w_i is copied there)
         self.staged = None  # backup off: what the parameters copy from once the hold is released
         self.pending = None  # backup off: (version, WriteHold, deadline) not yet published
 
@@ -69,6 +71,8 @@ class ModelBackup:
         glo = Buffer(weight.shape, np.float32)
         weight.copyto(glo.nd)
         slot = self._slots[key] = _Slot(glo)
+        if self.enabled:
+            slot.loc = Buffer(weight.shape, np.float32)
         if self._engine is not None:
             slot.staged = Buffer(weight.shape, np.float32)
             glo.nd.copyto(slot.staged.nd)
@@ -79,23 +83,24 @@ class ModelBackup:
     def version(self, key):
         return self._slots[key].version
 
-    def local_step(self, key, step, grad, loc_bufs, local_update):
-        """Training thread, backup on: loc_buf = glo_step - loc_lr * grad, flag 0 -> 1.
+    def local_step(self, key, step, grad, params, local_update):
+        """Training thread, backup on: loc_buf = glo_step - loc_lr * grad into params, flag 0 -> 1.
 
-        `local_update(grad, glo_buf, out)` writes the locally updated weights into `out`.
+        `local_update(grad, glo, loc)` writes the locally updated weights into the
+        Buffer loc (loc_buf) from the Buffer glo (glo_buf); loc_buf is then copied
+        into every array of `params`.
         """
         slot = self._slots[key]
         self.wait_version(key, step)
-        slot.loc_bufs = loc_bufs
-        first = loc_bufs[0]
-        local_update(grad, slot.glo_buf, first)
-        for other in loc_bufs[1:]:
-            first.copyto(other)
+        slot.params = params
+        local_update(grad, slot.glo, slot.loc)
+        for out in params:
+            slot.loc.nd.copyto(out)
         with self._cond:
             slot.flag = 1
             self._cond.notify_all()
 
-    def write_back(self, key, step, loc_bufs):
+    def write_back(self, key, step, params):
         """Training thread, backup off: the parameters get glo_step once it is published.
 
         With the engine it returns at once: a WriteHold on the staging buffer sits
@@ -103,14 +108,14 @@ class ModelBackup:
         forward pass waits in the engine, while this thread queues more work.
         """
         slot = self._slots[key]
-        slot.loc_bufs = loc_bufs
+        slot.params = params
         if self._engine is None:
             self.wait_version(key, step)
-            for out in loc_bufs:
+            for out in params:
                 slot.glo_buf.copyto(out)
             return
         hold = self._engine.hold(slot.staged.nd)
-        for out in loc_bufs:
+        for out in params:
             slot.staged.nd.copyto(out)
         with self._cond:
             failed = self._error is not None
@@ -125,8 +130,9 @@ class ModelBackup:
     def publish(self, entries, global_update):
         """Aggregation thread: glo_buf <- w_{step+1}, flag 1 -> 0, for each entry.
 
-        entries: (key, step, local_step_done). `global_update(glo_bufs)` writes all
-        of them at once, so one multi-tensor optimizer call can serve a fused bucket.
+        entries: (key, step, local_step_done). `global_update(glos)` writes all of
+        them (glo_buf Buffers) at once, so one multi-tensor optimizer call can serve
+        a fused bucket.
         """
         slots = [self._slots[key] for key, _, _ in entries]
         with self._cond:
@@ -136,7 +142,7 @@ class ModelBackup:
                     self._cond.wait_for(lambda: slot.flag == 1 or self._error is not None)
             if self._error is not None:
                 return
-        global_update([slot.glo_buf for slot in slots])
+        global_update([slot.glo for slot in slots])
         for slot in slots:
             if slot.staged is not None:
                 slot.glo.for_read()  # the fill below copies it without waiting
@@ -220,8 +226,8 @@ class ModelBackup:
         """Write the newest global weights into every key's parameters (the checkpointable state)."""
         for key, slot in self._slots.items():
             self.wait_version(key, slot.version)
-            if slot.loc_bufs is not None:
-                for out in slot.loc_bufs:
+            if slot.params is not None:
+                for out in slot.params:
                     slot.glo_buf.copyto(out)
 
     def state_dict(self):
@@ -269,14 +275,14 @@ class LocalUpdater:
     optimizer. `loc_optimizer` (a name) instead runs that optimizer with its own
     state; `loc_lr` replaces the learning rate.
 
-    For MXNet's SGD (the paper's optimizer) the default rule runs as one fused
-    op from glo_buf into the parameters, with the momentum copied into a
-    per-key scratch array: no weight copy, no allocation, no Python optimizer
-    call per key and step.
+    For MXNet's SGD (the paper's optimizer) the default rule runs as one pass of
+    `kernel` (the SGDKernel of the global update, which holds the momentum): it
+    reads glo_buf and the global momentum in place and writes neither. With `engine` (an EngineNotifier)
+    that pass runs in MXNet's engine once the gradient exists.
     """
 
     def __init__(self, global_optimizer, num_workers, loc_lr=None, loc_optimizer=None,
-                 global_updater=None):
+                 global_updater=None, kernel=None, engine=None):
         self._global = global_optimizer
         self._num_workers = num_workers
         self._loc_lr = loc_lr
@@ -289,11 +295,16 @@ class LocalUpdater:
                                       param_dict=global_optimizer.param_dict)
         self.optimizer = opt
         self._updater = mx.optimizer.get_updater(opt)
-        self.fused = self._global_updater is not None and type(opt) is mx.optimizer.SGD
-        self._momentum = {}  # index -> scratch copy of the global momentum (fused SGD)
+        self._kernel = kernel if self._global_updater is not None else None
+        self._engine = engine
+
+    @property
+    def fused(self):
+        """True when the update runs as the SGD kernel."""
+        return self._kernel is not None
 
     def __call__(self, index, grad, glo, out):
-        """out <- glo after one local step with `grad` (glo itself is not written)."""
+        """out <- glo after one local step with `grad` (all Buffers; glo is not written)."""
         opt = self.optimizer
         opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
         opt.rescale_grad = self._global.rescale_grad * self._num_workers
@@ -302,36 +313,16 @@ class LocalUpdater:
             glo_opt = source.optimizer
             opt._index_update_count[index] = glo_opt._index_update_count.get(
                 index, glo_opt.begin_num_update)
-            if self.fused:
-                self._fused_sgd(index, grad, glo, out, source.states.get(index))
+            if self._kernel is not None:
+                self._kernel.local_step(opt, index, grad, glo, out, self._engine)
                 return
             if index in source.states:
                 self._updater.states[index] = _copy_state(source.states[index])
                 self._updater.states_synced[index] = True
             else:
                 self._updater.states.pop(index, None)
-        glo.copyto(out)
-        self._updater(index, grad, out)
-
-    def _fused_sgd(self, index, grad, glo, out, global_momentum):
-        """SGD's own update op, reading glo and writing out, on a copy of the global momentum."""
-        opt = self.optimizer
-        opt._update_count(index)
-        kwargs = {"num_weights": 1, "lrs": opt._get_lrs([index]), "wds": opt._get_wds([index]),
-                  "rescale_grad": opt.rescale_grad}
-        if opt.clip_gradient:
-            kwargs["clip_gradient"] = opt.clip_gradient
-        if opt.momentum <= 0:
-            mx.nd.multi_sgd_update(glo, grad, out=[out], **kwargs)
-            return
-        mom = self._momentum.get(index)
-        if mom is None:
-            mom = self._momentum[index] = mx.nd.zeros(glo.shape, glo.context, dtype=glo.dtype)
-        if global_momentum is None:  # the global update has not run yet: momentum is zero
-            mom[:] = 0
-        else:
-            global_momentum.copyto(mom)
-        mx.nd.multi_sgd_mom_update(glo, grad, mom, out=[out], momentum=opt.momentum, **kwargs)
+        glo.nd.copyto(out.nd)
+        self._updater(index, grad.nd, out.nd)
 
 
 def _copy_state(state):

@@ -2,10 +2,10 @@
 
 A short composition: SlimGCConfig (options), CTTab (which tensors to compress),
 Pipeline (grad_buf -> codec -> transport -> aggregate), FusedRoute (the
-full-precision tensors in one transfer), ModelBackup (loc_buf / glo_buf) and a
-Transport (MXNet dist_sync, or in-process). The optimizer runs on
-every worker on the aggregated gradient, so all workers hold the same global
-weights bit for bit.
+full-precision tensors in one transfer), ModelBackup (loc_buf / glo_buf),
+SGDKernel (both updates, for MXNet's SGD) and a Transport (MXNet dist_sync, or
+in-process). The optimizer runs on every worker on the aggregated gradient, so
+all workers hold the same global weights bit for bit.
 """
 import atexit
 import logging
@@ -19,7 +19,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.kvstore import KVStoreBase
 
-from . import agreement, codecs
+from . import agreement, codecs, sgd
 from .backup import LocalUpdater, ModelBackup, clone_optimizer
 from .config import SlimGCConfig
 from .fusion import FusedRoute
@@ -46,8 +46,10 @@ class SlimGC(KVStoreBase):
         self._steps = {}  # user key -> steps pushed
         self._optimizer = None  # the Trainer's optimizer (it sets lr / rescale_grad on it)
         self._glo_updater = None  # updates glo_buf on the aggregation thread
+        self._sgd = None  # SGDKernel: the updates of glo_buf and loc_buf for MXNet's SGD
         self._local_updater = None
         self._pipeline = None
+        self._engine = None  # EngineNotifier
         self._backup = None
         self._cttab = None
         self._codec = None  # the prototype codec; each key gets a clone
@@ -90,6 +92,15 @@ class SlimGC(KVStoreBase):
         self._optimizer = optimizer
         self._glo_updater = mx.optimizer.get_updater(clone_optimizer(optimizer))
         self._local_updater = None
+        self._sgd = None
+        if self._pipeline is not None:
+            self._sgd = self._sgd_kernel()
+
+    def _sgd_kernel(self):
+        """The CPU kernel for the optimizer's updates, or None for optimizers other than SGD."""
+        if not sgd.supports(self._glo_updater.optimizer):
+            return None
+        return sgd.SGDKernel(self._glo_updater, self.config.num_threads)
 
     # -- keys ------------------------------------------------------------------------------
     def _ensure_transport(self):
@@ -113,9 +124,12 @@ class SlimGC(KVStoreBase):
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
                                          lanes=self._lane_format(),
                                          bigarray_bound=transport.bigarray_bound))
-        engine = EngineNotifier()
+        self._engine = engine = EngineNotifier()
         self._backup = ModelBackup(cfg.backup, cfg.timeout, engine)
+        engine.on_error = partial(self._backup.fail, where="an operator run by MXNet's engine")
         self._pipeline = Pipeline(transport, self._finish, self._backup.fail, engine)
+        if self._glo_updater is not None:
+            self._sgd = self._sgd_kernel()
         log.info("slimgc: rank %d/%d, transport %s, %s", transport.rank, transport.num_workers,
                  transport.kind, cfg)
 
@@ -204,7 +218,8 @@ class SlimGC(KVStoreBase):
         grad.copyto(b.grad_buf.nd)
         local = backup.enabled and outs is not None
         if local:
-            backup.local_step(key, step, grad, outs, partial(self._local_update_ready(), b.index))
+            backup.local_step(key, step, b.grad_buf, outs,
+                              partial(self._local_update_ready(), b.index))
         opt = self._optimizer
         settings = (opt.lr, opt.wd, opt.rescale_grad, opt.param_dict)
         if bucket is None:
@@ -294,7 +309,8 @@ class SlimGC(KVStoreBase):
         if self._local_updater is None:
             cfg = self.config
             self._local_updater = LocalUpdater(self._optimizer, self.num_workers,
-                                               cfg.loc_lr, cfg.loc_optimizer, self._glo_updater)
+                                               cfg.loc_lr, cfg.loc_optimizer, self._glo_updater,
+                                               self._sgd, self._engine)
         return self._local_updater
 
     def _finish(self, job):
@@ -316,14 +332,20 @@ class SlimGC(KVStoreBase):
             return
         lr, wd, rescale, param_dict = opt_settings
         indices = [kb.index for _, kb, _, _ in entries]
-        aggs = [kb.agg.nd for _, kb, _, _ in entries]
+        aggs = [kb.agg for _, kb, _, _ in entries]
+        # A bucket of small keys takes one multi-tensor op in MXNet's engine: cheaper
+        # than the kernel's per-key engine waits (scripts/per_key_cost.py).
+        kernel = self._sgd if len(entries) == 1 else None
 
         def update(glos):
             opt = self._glo_updater.optimizer
             opt.lr, opt.wd, opt.rescale_grad, opt.param_dict = lr, wd, rescale, param_dict
-            # MXNet's Updater takes lists (a bucket: its multi-tensor ops, as gluon.Trainer
-            # uses); it turns a single key into a list of one itself.
-            self._glo_updater(indices, aggs, glos)
+            if kernel is not None:
+                kernel.global_step(indices, aggs, glos)
+            else:
+                # MXNet's Updater takes lists (a bucket: its multi-tensor ops, as
+                # gluon.Trainer uses); it turns a single key into a list of one itself.
+                self._glo_updater(indices, [a.nd for a in aggs], [g.nd for g in glos])
 
         self._backup.publish(published, update)
 
@@ -424,6 +446,7 @@ class SlimGC(KVStoreBase):
             self._optimizer = loaded
             self._glo_updater.optimizer = clone_optimizer(loaded)
         self._local_updater = None  # rebuilt around the (possibly new) global optimizer
+        self._sgd = self._sgd_kernel()  # takes the loaded momentum at its first use
         if state["local"] is not None:
             self._local_update_ready()._updater.set_states(state["local"])
             self._local_updater.optimizer = self._local_updater._updater.optimizer

@@ -8,7 +8,8 @@ import pytest
 
 from slimgc_mx.backup import BackupTimeout, LocalUpdater, ModelBackup, clone_optimizer
 from slimgc_mx.pipeline import PipelineError
-from slimgc_mx.transport import EngineNotifier
+from slimgc_mx.sgd import SGDKernel
+from slimgc_mx.transport import Buffer, EngineNotifier
 
 
 def _backup(enabled=True, timeout=5.0, engine=None):
@@ -19,14 +20,14 @@ def _backup(enabled=True, timeout=5.0, engine=None):
 
 def _sub(delta):
     def update(glos):
-        glos[0][:] = glos[0] - delta
+        glos[0].nd[:] = glos[0].nd - delta
     return update
 
 
 def test_local_step_writes_loc_buf_and_sets_the_flag():
     b = _backup()
     loc = [mx.nd.zeros(3), mx.nd.zeros(3)]
-    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, glo, w: (glo - 0.5 * g).copyto(w))
+    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, glo, loc: (glo.nd - 0.5 * g).copyto(loc.nd))
     for arr in loc:
         np.testing.assert_allclose(arr.asnumpy(), [0.5, 1.5, 2.5])
     assert b._slots["w"].flag == 1
@@ -44,7 +45,7 @@ def test_publish_waits_for_the_flag_then_clears_it():
     threading.Thread(target=aggregation_thread, daemon=True).start()
     time.sleep(0.2)
     assert not done.is_set() and b.version("w") == 0  # glo_buf not overwritten before the flag
-    b.local_step("w", 0, mx.nd.zeros(3), [mx.nd.zeros(3)], lambda g, glo, w: None)
+    b.local_step("w", 0, mx.nd.zeros(3), [mx.nd.zeros(3)], lambda g, glo, loc: None)
     assert done.wait(5)
     assert b.version("w") == 1 and b._slots["w"].flag == 0
     np.testing.assert_allclose(b.glo_buf("w").asnumpy(), [0.0, 1.0, 2.0])
@@ -126,7 +127,7 @@ def test_fail_wakes_waiters_with_the_cause():
 def test_flush_and_state_round_trip():
     b = _backup()
     loc = [mx.nd.zeros(3)]
-    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, glo, w: (glo - g).copyto(w))
+    b.local_step("w", 0, mx.nd.ones(3), loc, lambda g, glo, loc: (glo.nd - g).copyto(loc.nd))
     b.publish([("w", 0, True)], _sub(2.0))
     b.flush()
     np.testing.assert_allclose(loc[0].asnumpy(), [-1.0, 0.0, 1.0])
@@ -137,10 +138,16 @@ def test_flush_and_state_round_trip():
     np.testing.assert_array_equal(other.glo_buf("w").asnumpy(), b.glo_buf("w").asnumpy())
 
 
+def _buffer(values):
+    buf = Buffer(values.shape, np.float32)
+    buf.for_write()[:] = values.reshape(-1)
+    return buf
+
+
 def _local(updater, grad, glo):
-    out = mx.nd.zeros(glo.shape)
-    updater(0, grad, glo, out)
-    return out.asnumpy()
+    out = _buffer(np.zeros(glo.shape, np.float32))
+    updater(0, _buffer(grad.asnumpy()), _buffer(glo.asnumpy()), out)
+    return out.for_read().copy()
 
 
 def test_local_updater_follows_the_global_lr_unless_loc_lr_is_set():
@@ -157,31 +164,48 @@ def test_local_updater_follows_the_global_lr_unless_loc_lr_is_set():
         1 - 1.0 * 0.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_fused_sgd_local_update_equals_the_optimizer_step(momentum):
-    """The fused op gives what copying glo_buf and running MXNet's SGD on it gives."""
-    rng = np.random.RandomState(0)
+def _sgd_setup(momentum):
     params = {0: mx.gluon.Parameter("w", shape=(50,), lr_mult=0.5, wd_mult=2.0)}
-    opt = mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
-                           clip_gradient=2.0, param_dict=params,
-                           lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
-    glo_updater = mx.optimizer.get_updater(clone_optimizer(opt))
-    fused = LocalUpdater(opt, 2, global_updater=glo_updater)
-    plain = LocalUpdater(opt, 2, global_updater=glo_updater)
-    plain.fused = False
-    assert fused.fused
-    glo = mx.nd.array(rng.randn(50))
-    for _ in range(4):  # global steps build momentum and advance the lr schedule
-        grad = mx.nd.array(rng.randn(50) * 3)
-        a, b = _local(fused, grad, glo), _local(plain, grad, glo)
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        assert not np.allclose(a, glo.asnumpy())
-        glo_updater(0, mx.nd.array(rng.randn(50)), glo)
-    mom = glo_updater.states.get(0)
-    before = None if mom is None else mom.asnumpy().copy()
-    _local(fused, mx.nd.ones(50), glo)
-    if before is not None:  # the global momentum is read, never written
-        np.testing.assert_array_equal(glo_updater.states[0].asnumpy(), before)
+    return mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
+                            clip_gradient=2.0, param_dict=params,
+                            lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_kernel_updates_equal_mxnet_updater(momentum):
+    """Global and local updates through the SGD kernel give what MXNet's Updater gives.
+
+    Two chains from the same weights: MXNet's Updater and plain local update on
+    NDArrays, and the kernel on Buffers; lr_mult, wd_mult, clipping and an lr
+    schedule are all in play.
+    """
+    rng = np.random.RandomState(0)
+    opt = _sgd_setup(momentum)
+    ref_updater = mx.optimizer.get_updater(clone_optimizer(opt))
+    updater = mx.optimizer.get_updater(clone_optimizer(opt))
+    kernel = SGDKernel(updater, num_threads=2)
+    plain = LocalUpdater(opt, 2, global_updater=ref_updater)
+    fused = LocalUpdater(opt, 2, global_updater=updater, kernel=kernel)
+    assert fused.fused and not plain.fused
+    start = rng.randn(50).astype(np.float32)
+    ref_glo, glo = mx.nd.array(start), _buffer(start)
+    for _ in range(5):  # global steps build momentum and advance the lr schedule
+        grad = rng.randn(50).astype(np.float32) * 3
+        a, b = _buffer(np.zeros(50, np.float32)), _buffer(np.zeros(50, np.float32))
+        fused(0, _buffer(grad), glo, a)
+        plain(0, _buffer(grad), _buffer(ref_glo.asnumpy()), b)
+        np.testing.assert_allclose(a.for_read(), b.for_read(), rtol=1e-6, atol=1e-7)
+        assert not np.allclose(a.for_read(), glo.for_read())
+        agg = rng.randn(50).astype(np.float32)
+        kernel.global_step([0], [_buffer(agg)], [glo])
+        ref_updater(0, mx.nd.array(agg), ref_glo)
+        np.testing.assert_allclose(glo.for_read(), ref_glo.asnumpy(), rtol=1e-6, atol=1e-7)
+    if momentum:  # the momentum lives in the Updater, where checkpoints read it
+        np.testing.assert_allclose(updater.states[0].asnumpy(), ref_updater.states[0].asnumpy(),
+                                   rtol=1e-6, atol=1e-7)
+        before = updater.states[0].asnumpy().copy()
+        fused(0, _buffer(np.ones(50, np.float32)), glo, _buffer(np.zeros(50, np.float32)))
+        np.testing.assert_array_equal(updater.states[0].asnumpy(), before)  # read, not written
 
 
 def test_clone_optimizer_has_its_own_counters():
@@ -192,3 +216,18 @@ def test_clone_optimizer_has_its_own_counters():
     twin.lr = 7.0
     assert opt._index_update_count[3] == 1 and twin._index_update_count[3] == 2
     assert opt.lr == 0.1
+
+
+def test_engine_runs_a_function_in_order_and_reports_its_failure():
+    """EngineNotifier.run: after the writes it reads, before the reads of what it writes."""
+    errors = []
+    engine = EngineNotifier(on_error=errors.append)
+    src, dst = _buffer(np.zeros(4, np.float32)), _buffer(np.zeros(4, np.float32))
+    a = mx.nd.random.uniform(shape=(800, 800))
+    slow = mx.nd.dot(mx.nd.dot(a, a), a)  # queued, not finished
+    mx.nd.broadcast_add(src.nd, slow[0, :4] * 0 + 1, out=src.nd)  # src = 1 once slow is done
+    engine.run(lambda: np.copyto(dst.held(), src.held() * 2), [src.nd], [dst.nd])
+    np.testing.assert_array_equal((dst.nd + 0).asnumpy(), [2, 2, 2, 2])  # read after the run
+    engine.run(lambda: 1 / 0, [src.nd], [dst.nd])
+    dst.nd.wait_to_read()
+    assert len(errors) == 1 and isinstance(errors[0], ZeroDivisionError)
