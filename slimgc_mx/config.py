@@ -35,7 +35,7 @@ class SlimGCConfig:
                     flat buffer per server and update them with one optimizer call
     loc_lr          learning rate of the local update (default: the global optimizer's)
     loc_optimizer   optimizer name of the local update (default: a copy of the global one)
-    num_threads     CPU threads of the codecs (default: all available cores)
+    num_threads     CPU threads of the codecs and the SGD kernel (default: all cores)
     timeout         seconds the training thread waits for one aggregation before it raises
     audit_every     compare global-weight checksums across workers every K steps (0: off)
     """
