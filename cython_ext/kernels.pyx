@@ -27,6 +27,24 @@ cdef extern from *:
     """
     void slimgc_barrier() noexcept nogil
 
+cdef extern from *:
+    """
+    /* lane = sum_j q[j] * pw[j] in double. Every term and partial sum is an integer
+       below 2**53 (the lane geometry guarantees it), so any summation order gives the
+       exact result, and the reduction may run in SIMD lanes. */
+    static inline double slimgc_pack(const float* q, const double* pw, Py_ssize_t cnt) {
+        double acc = 0.0;
+        Py_ssize_t j;
+        #pragma omp simd reduction(+:acc)
+        for (j = 0; j < cnt; j++)
+            acc += (double)q[j] * pw[j];
+        return acc;
+    }
+    """
+    double slimgc_pack(const float* q, const double* pw, Py_ssize_t cnt) noexcept nogil
+
+cdef float FLT_MAX = 3.4028234663852886e38
+
 chunk_lanes = CHUNK_LANES
 check_chunk = CHECK_CHUNK
 row_width = ROW
@@ -45,7 +63,7 @@ cdef Py_ssize_t _count_bad(const float* x, Py_ssize_t count) noexcept nogil:
     # NaN and +-Inf fail |x| <= FLT_MAX; an integer count, so the loop vectorizes.
     cdef Py_ssize_t j, bad = 0
     for j in range(count):
-        bad += not (fabsf(x[j]) <= 3.4028234663852886e38)
+        bad += not (fabsf(x[j]) <= FLT_MAX)
     return bad
 
 
@@ -64,78 +82,75 @@ cdef Py_ssize_t _check_shapes(Py_ssize_t n, Py_ssize_t n_residual, Py_ssize_t n_
 
 # Per lane i (elements i*k .. i*k+k-1): c = g + r; q = level(c); r = c - own[q], where
 # own[q] is the one-worker decoded value of level q;
-# lane = sum_j q_j * R**j, built in uint64 (exact below 2**53), stored as float64.
+# lane = sum_j q_j * R**j, exact in float64 (below 2**53). Levels are kept as float32
+# (small integers, exact) so that the packing is a SIMD dot product.
 
-cdef inline uint64_t _pack(const int* q, const uint64_t* pw, Py_ssize_t cnt) noexcept nogil:
-    cdef Py_ssize_t j
-    cdef uint64_t acc = 0
-    for j in range(cnt):
-        acc += <uint64_t>q[j] * pw[j]
-    return acc
-
-
-cdef inline void _levels_2bit(const float* g, float* r, int* q, Py_ssize_t cnt,
-                              float t) noexcept nogil:
+cdef inline Py_ssize_t _levels_2bit(const float* g, float* r, float* q, Py_ssize_t cnt,
+                                    float t) noexcept nogil:
     # Branch-free so it vectorizes; t * (q - 1) in float32 is exact, so it equals
-    # own[q] = float32(double(t) * (q - 1)) bit for bit.
+    # own[q] = float32(double(t) * (q - 1)) bit for bit. Returns how many c are
+    # non-finite (they leave a non-finite residual).
     cdef Py_ssize_t j
     cdef float c
-    cdef int d
+    cdef int d, bad = 0
     for j in range(cnt):
         c = g[j] + r[j]
         d = (c >= t) - (c <= -t)
-        q[j] = 1 + d
+        q[j] = <float>(1 + d)
         r[j] = c - t * <float>d
+        bad += not (fabsf(c) <= FLT_MAX)
+    return bad
 
 
-cdef inline void _pack_block(const int* q, const uint64_t* pw, double* lanes,
-                                   Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t n,
-                                   Py_ssize_t k) noexcept nogil:
+cdef inline void _pack_block(const float* q, const double* pw, double* lanes,
+                             Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t n,
+                             Py_ssize_t k) noexcept nogil:
     # Lanes i0..i1-1 from the levels q of their elements (q[0] is element i0*k).
     cdef Py_ssize_t i
     for i in range(i0, i1):
-        lanes[i] = <double><int64_t>_pack(q + (i - i0) * k, pw, min(k, n - i * k))
+        lanes[i] = slimgc_pack(q + (i - i0) * k, pw, min(k, n - i * k))
 
 
-cdef void _enc_2bit(const float* g, float* r, double* lanes, const uint64_t* pw,
+cdef void _enc_2bit(const float* g, float* r, double* lanes, const double* pw,
                     float t, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
                     Py_ssize_t k, Py_ssize_t* bad) noexcept nogil:
     # Blocks of BLOCK lanes: one long level loop over their elements, then the packing.
-    # A non-finite c leaves a non-finite residual: counted while the block is in cache.
     cdef Py_ssize_t i0, i1, start, cnt
-    cdef int q[BLOCK * MAX_DIGITS]
+    cdef float q[BLOCK * MAX_DIGITS]
     i0 = lo
     while i0 < hi:
         i1 = min(i0 + BLOCK, hi)
         start = i0 * k
         cnt = min(i1 * k, n) - start
-        _levels_2bit(g + start, r + start, q, cnt, t)
-        bad[0] += _count_bad(r + start, cnt)
+        bad[0] += _levels_2bit(g + start, r + start, q, cnt, t)
         _pack_block(q, pw, lanes, i0, i1, n, k)
         i0 = i1
 
 
-cdef inline void _levels_1bit(const float* g, float* r, int* q, float* comp,
-                              Py_ssize_t cnt, float s) noexcept nogil:
-    # q = (c >= 0); s * (2q - 1) in float32 equals own[q] bit for bit. Keeps c in comp.
+cdef inline Py_ssize_t _levels_1bit(const float* g, float* r, float* q, float* comp,
+                                    Py_ssize_t cnt, float s) noexcept nogil:
+    # q = (c >= 0); s * (2q - 1) in float32 equals own[q] bit for bit. Keeps c in comp;
+    # returns how many c are non-finite.
     cdef Py_ssize_t j
     cdef float c
-    cdef int b
+    cdef int b, bad = 0
     for j in range(cnt):
         c = g[j] + r[j]
         comp[j] = c
         b = c >= 0
-        q[j] = b
+        q[j] = <float>b
         r[j] = c - s * <float>(2 * b - 1)
+        bad += not (fabsf(c) <= FLT_MAX)
+    return bad
 
 
-cdef double _enc_1bit(const float* g, float* r, double* lanes, const uint64_t* pw,
+cdef double _enc_1bit(const float* g, float* r, double* lanes, const double* pw,
                       float s, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
                       Py_ssize_t k, Py_ssize_t* bad) noexcept nogil:
     # Returns sum |c| over the chunk, added in element order (a loop of its own, so the
     # level loop still vectorizes).
     cdef Py_ssize_t i0, i1, j, start, cnt
-    cdef int q[BLOCK * MAX_DIGITS]
+    cdef float q[BLOCK * MAX_DIGITS]
     cdef float comp[BLOCK * MAX_DIGITS]
     cdef double total = 0.0
     i0 = lo
@@ -143,8 +158,7 @@ cdef double _enc_1bit(const float* g, float* r, double* lanes, const uint64_t* p
         i1 = min(i0 + BLOCK, hi)
         start = i0 * k
         cnt = min(i1 * k, n) - start
-        _levels_1bit(g + start, r + start, q, comp, cnt, s)
-        bad[0] += _count_bad(comp, cnt)
+        bad[0] += _levels_1bit(g + start, r + start, q, comp, cnt, s)
         _pack_block(q, pw, lanes, i0, i1, n, k)
         for j in range(cnt):
             total += fabs(<double>comp[j])
@@ -152,17 +166,19 @@ cdef double _enc_1bit(const float* g, float* r, double* lanes, const uint64_t* p
     return total
 
 
-cdef inline void _levels_4bit(const float* g, float* r, int* q, Py_ssize_t cnt,
-                              const float* th, const int* units, int offset) noexcept nogil:
+cdef inline Py_ssize_t _levels_4bit(const float* g, float* r, float* q, Py_ssize_t cnt,
+                                    const float* th, const int* units,
+                                    int offset) noexcept nogil:
     # Largest threshold <= |c| by seven selects (branch-free, vectorizes). The value sent
-    # is +-th[k] = +-float32(0.01 * units[k+1]): own[q] bit for bit.
+    # is +-th[k] = +-float32(0.01 * units[k+1]): own[q] bit for bit. Returns how many c
+    # are non-finite.
     cdef float t0 = th[0], t1 = th[1], t2 = th[2], t3 = th[3], t4 = th[4], t5 = th[5]
     cdef float t6 = th[6]
     cdef int u1 = units[1], u2 = units[2], u3 = units[3], u4 = units[4], u5 = units[5]
     cdef int u6 = units[6], u7 = units[7]
     cdef Py_ssize_t j
     cdef float c, a, x
-    cdef int u
+    cdef int u, bad = 0
     for j in range(cnt):
         c = g[j] + r[j]
         a = fabsf(c)
@@ -182,25 +198,26 @@ cdef inline void _levels_4bit(const float* g, float* r, int* q, Py_ssize_t cnt,
         u = u6 if a >= t5 else u
         x = t6 if a >= t6 else x
         u = u7 if a >= t6 else u
-        q[j] = offset - u if c < 0 else offset + u
+        q[j] = <float>(offset - u if c < 0 else offset + u)
         r[j] = c - (-x if c < 0 else x)
+        bad += not (a <= FLT_MAX)
+    return bad
 
 
-cdef double _enc_4bit(const float* g, float* r, double* lanes, const uint64_t* pw,
+cdef double _enc_4bit(const float* g, float* r, double* lanes, const double* pw,
                       const float* th, const int* units, int offset, Py_ssize_t lo,
                       Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k,
                       Py_ssize_t* bad) noexcept nogil:
     # Returns sum |g| over the chunk, added in element order.
     cdef Py_ssize_t i0, i1, j, start, cnt
-    cdef int q[BLOCK * MAX_DIGITS]
+    cdef float q[BLOCK * MAX_DIGITS]
     cdef double total = 0.0
     i0 = lo
     while i0 < hi:
         i1 = min(i0 + BLOCK, hi)
         start = i0 * k
         cnt = min(i1 * k, n) - start
-        _levels_4bit(g + start, r + start, q, cnt, th, units, offset)
-        bad[0] += _count_bad(r + start, cnt)
+        bad[0] += _levels_4bit(g + start, r + start, q, cnt, th, units, offset)
         _pack_block(q, pw, lanes, i0, i1, n, k)
         for j in range(start, start + cnt):
             total += fabs(<double>g[j])
@@ -236,7 +253,7 @@ cdef struct Job:
     const float* g
     float* r
     void* out
-    const uint64_t* pw
+    double pw[MAX_DIGITS]
     const float* th
     const int* units
     int offset
@@ -317,7 +334,7 @@ cdef tuple _run(Job* job, int num_threads):
 cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
               Py_ssize_t n_out, const uint64_t[::1] powers) except *:
     cdef Job job
-    cdef Py_ssize_t k = powers.shape[0]
+    cdef Py_ssize_t j, k = powers.shape[0]
     job.mode = mode
     job.n = grad.shape[0]
     job.k = k
@@ -326,7 +343,10 @@ cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
     job.g = &grad[0] if job.n else NULL
     job.r = &residual[0] if job.n else NULL
     job.out = out
-    job.pw = &powers[0]
+    for j in range(k):
+        if powers[j] >= 9007199254740992ULL:
+            raise ValueError("digit weight %d is not below 2**53" % powers[j])
+        job.pw[j] = <double>powers[j]
     job.th = NULL
     job.units = NULL
     job.offset = 0
