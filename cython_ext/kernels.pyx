@@ -10,6 +10,7 @@ the sizes their raw-pointer loops rely on.
 """
 from cython.parallel cimport parallel, prange
 from libc.stdlib cimport calloc, free
+from libc.float cimport FLT_MAX
 from libc.math cimport fabs, fabsf
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
@@ -42,8 +43,6 @@ cdef extern from *:
     }
     """
     double slimgc_pack(const float* q, const double* pw, Py_ssize_t cnt) noexcept nogil
-
-cdef float FLT_MAX = 3.4028234663852886e38
 
 chunk_lanes = CHUNK_LANES
 check_chunk = CHECK_CHUNK
@@ -198,8 +197,10 @@ cdef inline Py_ssize_t _levels_4bit(const float* g, float* r, float* q, Py_ssize
         u = u6 if a >= t5 else u
         x = t6 if a >= t6 else x
         u = u7 if a >= t6 else u
-        q[j] = <float>(offset - u if c < 0 else offset + u)
-        r[j] = c - (-x if c < 0 else x)
+        u = -u if c < 0 else u
+        x = -x if c < 0 else x
+        q[j] = <float>(offset + u)
+        r[j] = c - x
         bad += not (a <= FLT_MAX)
     return bad
 
