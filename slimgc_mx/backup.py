@@ -277,8 +277,9 @@ class LocalUpdater:
 
     For MXNet's SGD (the paper's optimizer) the default rule runs as one pass of
     `kernel` (the SGDKernel of the global update, which holds the momentum): it
-    reads glo_buf and the global momentum in place and writes neither. With `engine` (an EngineNotifier)
-    that pass runs in MXNet's engine once the gradient exists.
+    reads glo_buf and the global momentum in place and writes neither. With
+    `engine` (an EngineNotifier) that pass runs in MXNet's engine once the
+    gradient exists.
     """
 
     def __init__(self, global_optimizer, num_workers, loc_lr=None, loc_optimizer=None,
