@@ -2,9 +2,10 @@
 
 With MXNet's SGD (the paper's optimizer) each worker updates every weight twice
 per step, glo_buf with the aggregate and, with backup, loc_buf with its own
-gradient. MXNet's update ops (sgd_mom_update, and the multi-tensor op its
-Updater uses) take about 3x longer on the CPU than this kernel, and on a
-communication-bound model those updates are a large share of a worker's CPU.
+gradient. MXNet's update ops take 2x (sgd_mom_update) to 4.5x (the multi-tensor
+op its Updater uses) the CPU time of this kernel on one thread
+(docs/benchmarks.md), and on a communication-bound model those updates are a
+large share of a worker's CPU.
 The kernel computes the same float32 expressions as sgd_update / sgd_mom_update,
 so the weights are bitwise the same (tested).
 """
