@@ -3,6 +3,9 @@
 Several workers are threads sharing a ThreadGroup transport (a dist_sync server
 in miniature); the multi-process tests in test_distributed.py use MXNet's own.
 """
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -456,3 +459,35 @@ def test_a_bad_bigarray_bound_names_the_variable(raw):
                        % raw):
         _bigarray_bound(raw)
     assert _bigarray_bound(" 32 ") == 32
+
+
+_ENGINE_JOB = """
+import mxnet as mx
+from slimgc_mx.kvstore import SlimGC
+for backup in (True, False):
+    kv = SlimGC(compressor="2bit", comm_threshold=0, backup=backup, timeout=20)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-3))
+    w = mx.nd.ones((1000,))
+    kv.broadcast(0, w, out=w)
+    for step in range(4):
+        kv.pushpull(0, mx.nd.arange(1000) / 1000 - 0.2, out=w)
+    kv.flush()
+    print(repr(w.asnumpy().tolist()))
+    kv.close()
+"""
+
+
+def test_naive_engine_trains_the_same_weights():
+    """Engine operators (the SGD kernel's local update, write holds) also run under
+    MXNet's NaiveEngine, which executes every operator at once in the pushing thread."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for engine in ("ThreadedEnginePerDevice", "NaiveEngine"):
+        env = dict(os.environ, MXNET_ENGINE_TYPE=engine, PYTHONPATH=root)
+        r = subprocess.run([sys.executable, "-c", _ENGINE_JOB], env=env, cwd=root,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[engine] = [line for line in r.stdout.splitlines() if line.startswith("[")]
+    assert len(out["NaiveEngine"]) == 2
+    assert out["NaiveEngine"] == out["ThreadedEnginePerDevice"]
+    assert out["NaiveEngine"][0] == out["NaiveEngine"][1]  # backup on and off: one weight series
