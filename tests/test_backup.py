@@ -6,10 +6,11 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+import training_helpers as th
 from slimgc_mx.backup import BackupTimeout, LocalUpdater, ModelBackup, clone_optimizer
 from slimgc_mx.pipeline import PipelineError
 from slimgc_mx.sgd import SGDKernel
-from slimgc_mx.transport import Buffer, EngineNotifier
+from slimgc_mx.transport import EngineNotifier
 
 
 def _backup(enabled=True, timeout=5.0, engine=None):
@@ -138,15 +139,9 @@ def test_flush_and_state_round_trip():
     np.testing.assert_array_equal(other.glo_buf("w").asnumpy(), b.glo_buf("w").asnumpy())
 
 
-def _buffer(values):
-    buf = Buffer(values.shape, np.float32)
-    buf.for_write()[:] = values.reshape(-1)
-    return buf
-
-
 def _local(updater, grad, glo):
-    out = _buffer(np.zeros(glo.shape, np.float32))
-    updater(0, _buffer(grad.asnumpy()), _buffer(glo.asnumpy()), out)
+    out = th.buffer_of(np.zeros(glo.shape, np.float32))
+    updater(0, th.buffer_of(grad.asnumpy()), th.buffer_of(glo.asnumpy()), out)
     return out.for_read().copy()
 
 
@@ -164,13 +159,6 @@ def test_local_updater_follows_the_global_lr_unless_loc_lr_is_set():
         1 - 1.0 * 0.5, rtol=1e-6)
 
 
-def _sgd_setup(momentum):
-    params = {0: mx.gluon.Parameter("w", shape=(50,), lr_mult=0.5, wd_mult=2.0)}
-    return mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
-                            clip_gradient=2.0, param_dict=params,
-                            lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
-
-
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_sgd_kernel_updates_equal_mxnet_updater(momentum):
     """Global and local updates through the SGD kernel give what MXNet's Updater gives.
@@ -180,7 +168,7 @@ def test_sgd_kernel_updates_equal_mxnet_updater(momentum):
     schedule are all in play.
     """
     rng = np.random.RandomState(0)
-    opt = _sgd_setup(momentum)
+    opt = th.sgd_with_everything(momentum)
     ref_updater = mx.optimizer.get_updater(clone_optimizer(opt))
     updater = mx.optimizer.get_updater(clone_optimizer(opt))
     kernel = SGDKernel(updater, num_threads=2)
@@ -188,23 +176,23 @@ def test_sgd_kernel_updates_equal_mxnet_updater(momentum):
     fused = LocalUpdater(opt, 2, global_updater=updater, kernel=kernel)
     assert fused.fused and not plain.fused
     start = rng.randn(50).astype(np.float32)
-    ref_glo, glo = mx.nd.array(start), _buffer(start)
+    ref_glo, glo = mx.nd.array(start), th.buffer_of(start)
     for _ in range(5):  # global steps build momentum and advance the lr schedule
         grad = rng.randn(50).astype(np.float32) * 3
-        a, b = _buffer(np.zeros(50, np.float32)), _buffer(np.zeros(50, np.float32))
-        fused(0, _buffer(grad), glo, a)
-        plain(0, _buffer(grad), _buffer(ref_glo.asnumpy()), b)
+        a, b = th.buffer_of(np.zeros(50, np.float32)), th.buffer_of(np.zeros(50, np.float32))
+        fused(0, th.buffer_of(grad), glo, a)
+        plain(0, th.buffer_of(grad), th.buffer_of(ref_glo.asnumpy()), b)
         np.testing.assert_allclose(a.for_read(), b.for_read(), rtol=1e-6, atol=1e-7)
         assert not np.allclose(a.for_read(), glo.for_read())
         agg = rng.randn(50).astype(np.float32)
-        kernel.global_step([0], [_buffer(agg)], [glo])
+        kernel.global_step([0], [th.buffer_of(agg)], [glo])
         ref_updater(0, mx.nd.array(agg), ref_glo)
         np.testing.assert_allclose(glo.for_read(), ref_glo.asnumpy(), rtol=1e-6, atol=1e-7)
     if momentum:  # the momentum lives in the Updater, where checkpoints read it
         np.testing.assert_allclose(updater.states[0].asnumpy(), ref_updater.states[0].asnumpy(),
                                    rtol=1e-6, atol=1e-7)
         before = updater.states[0].asnumpy().copy()
-        fused(0, _buffer(np.ones(50, np.float32)), glo, _buffer(np.zeros(50, np.float32)))
+        fused(0, th.buffer_of(np.ones(50, np.float32)), glo, th.buffer_of(np.zeros(50, np.float32)))
         np.testing.assert_array_equal(updater.states[0].asnumpy(), before)  # read, not written
 
 
@@ -222,7 +210,7 @@ def test_engine_runs_a_function_in_order_and_reports_its_failure():
     """EngineNotifier.run: after the writes it reads, before the reads of what it writes."""
     errors = []
     engine = EngineNotifier(on_error=errors.append)
-    src, dst = _buffer(np.zeros(4, np.float32)), _buffer(np.zeros(4, np.float32))
+    src, dst = th.buffer_of(np.zeros(4, np.float32)), th.buffer_of(np.zeros(4, np.float32))
     a = mx.nd.random.uniform(shape=(800, 800))
     slow = mx.nd.dot(mx.nd.dot(a, a), a)  # queued, not finished
     mx.nd.broadcast_add(src.nd, slow[0, :4] * 0 + 1, out=src.nd)  # src = 1 once slow is done

@@ -3,24 +3,11 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+import training_helpers as th
 from slimgc_mx import sgd
 from slimgc_mx.backup import clone_optimizer
 from slimgc_mx.codecs.base import kernels
 from slimgc_mx.sgd import SGDKernel
-from slimgc_mx.transport import Buffer
-
-
-def _buffer(values):
-    buf = Buffer(values.shape, np.float32)
-    buf.for_write()[:] = values.reshape(-1)
-    return buf
-
-
-def _sgd_setup(momentum):
-    params = {0: mx.gluon.Parameter("w", shape=(50,), lr_mult=0.5, wd_mult=2.0)}
-    return mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
-                            clip_gradient=2.0, param_dict=params,
-                            lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
 
 
 @pytest.mark.parametrize("clip", [-1.0, 0.7])
@@ -72,18 +59,18 @@ def test_only_mxnet_sgd_itself_is_supported():
 
 def test_sgd_kernel_takes_a_loaded_momentum():
     """After set_states (a checkpoint) the kernel continues from the loaded momentum."""
-    opt = _sgd_setup(0.9)
-    agg = _buffer(np.full(50, 0.5, np.float32))
+    opt = th.sgd_with_everything(0.9)
+    agg = th.buffer_of(np.full(50, 0.5, np.float32))
     updater = mx.optimizer.get_updater(clone_optimizer(opt))
     kernel = SGDKernel(updater, num_threads=1)
-    glo = _buffer(np.ones(50, np.float32))
+    glo = th.buffer_of(np.ones(50, np.float32))
     kernel.global_step([0], [agg], [glo])
     saved, after_one = updater.get_states(dump_optimizer=True), glo.for_read().copy()
     kernel.global_step([0], [agg], [glo])  # the uninterrupted second step
 
     other = mx.optimizer.get_updater(clone_optimizer(opt))
     other.set_states(saved)
-    resumed, weights = SGDKernel(other, num_threads=1), _buffer(after_one)
+    resumed, weights = SGDKernel(other, num_threads=1), th.buffer_of(after_one)
     resumed.global_step([0], [agg], [weights])
     np.testing.assert_array_equal(weights.for_read(), glo.for_read())
     other.states[1] = mx.nd.zeros(3)

@@ -8,7 +8,7 @@ from mxnet import autograd, gluon
 
 import slimgc_mx
 from slimgc_mx.kvstore import SlimGC
-from slimgc_mx.transport import ThreadGroup
+from slimgc_mx.transport import Buffer, ThreadGroup
 
 _INIT_LOCK = threading.Lock()  # worker threads must not share MXNet's RNG while seeding
 
@@ -87,3 +87,18 @@ def slimgc_workers(num_workers, make_net, data, **options):
         return weights(net), stats
 
     return in_threads(num_workers, worker)
+
+
+def buffer_of(values):
+    """A CPU Buffer holding `values` (flattened to float32)."""
+    buf = Buffer(values.shape, np.float32)
+    buf.for_write()[:] = values.reshape(-1)
+    return buf
+
+
+def sgd_with_everything(momentum):
+    """An SGD with lr_mult, wd_mult, weight decay, clipping and an lr schedule on index 0."""
+    params = {0: mx.gluon.Parameter("w", shape=(50,), lr_mult=0.5, wd_mult=2.0)}
+    return mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
+                            clip_gradient=2.0, param_dict=params,
+                            lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
