@@ -92,9 +92,7 @@ class SlimGC(KVStoreBase):
         self._optimizer = optimizer
         self._glo_updater = mx.optimizer.get_updater(clone_optimizer(optimizer))
         self._local_updater = None
-        self._sgd = None
-        if self._pipeline is not None:
-            self._sgd = self._sgd_kernel()
+        self._sgd = self._sgd_kernel() if self._pipeline is not None else None  # else at _start
 
     def _sgd_kernel(self):
         """The CPU kernel for the optimizer's updates, or None for optimizers other than SGD."""

@@ -40,12 +40,14 @@ class SGDKernel:
         if self.updater.optimizer.momentum <= 0:
             return None
         buf = self._momentum.get(index)
+        state = self.updater.states.get(index)
+        if buf is not None and state is buf.nd:
+            return buf
         if buf is None:
             buf = self._momentum[index] = Buffer(shape, np.float32)
-        state = self.updater.states.get(index)
         if state is None:
             buf.for_write().fill(0)
-        elif state is not buf.nd:  # loaded by set_states
+        else:  # loaded by set_states
             if tuple(state.shape) != tuple(shape):
                 raise ValueError("optimizer state of index %r has shape %s, the weight %s"
                                  % (index, tuple(state.shape), tuple(shape)))
