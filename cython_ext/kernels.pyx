@@ -430,8 +430,9 @@ cdef inline int64_t _divmod(int64_t* x, int64_t rm, double inv_rm) noexcept nogi
 cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssize_t lo,
                      Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm,
                      double inv_rm) noexcept nogil:
-    # Returns the number of lanes outside [0, 2**53) (NaN included), decoded as 0: the
-    # division is only exact below 2**53, and table rows must never be read out of range.
+    # Decodes lanes [lo, hi) into out, which starts at element lo * k. Returns the number
+    # of lanes outside [0, 2**53) (NaN included), decoded as 0: the division is only
+    # exact below 2**53, and table rows must never be read out of range.
     cdef Py_ssize_t i = lo, b, nb, pos, cnt, t, bad = 0
     cdef int64_t x[GROUP]
     cdef int64_t s
@@ -456,18 +457,31 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
                 # overwritten by the next position of the same lane.
                 for b in range(nb):
                     s = _divmod(&x[b], rm, inv_rm)
-                    memcpy(out + (i + b) * k + pos, rows + s * ROW, ROW * sizeof(float))
+                    memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, ROW * sizeof(float))
             else:
                 for b in range(nb):
                     s = _divmod(&x[b], rm, inv_rm)
                     cnt = min(m, k - pos, n - (i + b) * k - pos)
                     src = rows + s * ROW
-                    dst = out + (i + b) * k + pos
+                    dst = out + (i - lo + b) * k + pos
                     for t in range(cnt):
                         dst[t] = src[t]
             pos += m
         i += nb
     return bad
+
+
+cdef Py_ssize_t _check_table(str name, const double[::1] lanes, const float[::1] rows,
+                             Py_ssize_t n, Py_ssize_t k, Py_ssize_t m) except -1:
+    # The sizes the decoder's raw-pointer loops rely on; returns the lanes n elements take.
+    if m < 1 or m > ROW or rows.shape[0] // ROW < 2 or rows.shape[0] % ROW or k < 1 \
+            or k > MAX_DIGITS:
+        raise ValueError("%s: rows must be R**m rows of %d floats, 1 <= m <= %d, "
+                         "1 <= k <= %d" % (name, ROW, ROW, MAX_DIGITS))
+    cdef Py_ssize_t n_lanes = _ceil_div(n, k)
+    if lanes.shape[0] < n_lanes:
+        raise ValueError("lanes has %d elements, needs %d" % (lanes.shape[0], n_lanes))
+    return n_lanes
 
 
 def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
@@ -479,16 +493,9 @@ def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
     """
     cdef Py_ssize_t n = out.shape[0]
     cdef int64_t rm = rows.shape[0] // ROW
-    cdef Py_ssize_t n_lanes, n_chunks, c, bad = 0
-    cdef double inv_rm
-    if m < 1 or m > ROW or rm < 2 or rows.shape[0] % ROW or k < 1 or k > MAX_DIGITS:
-        raise ValueError("decode_lanes: rows must be R**m rows of %d floats, 1 <= m <= %d, "
-                         "1 <= k <= %d" % (ROW, ROW, MAX_DIGITS))
-    n_lanes = _ceil_div(n, k)
-    n_chunks = _ceil_div(n_lanes, CHUNK_LANES)
-    inv_rm = 1.0 / <double>rm
-    if lanes.shape[0] < n_lanes:
-        raise ValueError("lanes has %d elements, needs %d" % (lanes.shape[0], n_lanes))
+    cdef Py_ssize_t n_lanes = _check_table("decode_lanes", lanes, rows, n, k, m)
+    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c, bad = 0
+    cdef double inv_rm = 1.0 / <double>rm
     if n == 0:
         return
     cdef const double* ln = &lanes[0]
@@ -496,8 +503,8 @@ def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
     cdef const float* tb = &rows[0]
     with nogil:
         for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
-            bad += _dec(ln, o, tb, c * CHUNK_LANES, min((c + 1) * CHUNK_LANES, n_lanes), n, k,
-                        m, rm, inv_rm)
+            bad += _dec(ln, o + c * CHUNK_LANES * k, tb, c * CHUNK_LANES,
+                        min((c + 1) * CHUNK_LANES, n_lanes), n, k, m, rm, inv_rm)
     if bad:
         raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
                          "(wrong codec, worker count or corrupted data)" % bad)
@@ -576,3 +583,58 @@ def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mo
         for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
             _sgd_chunk(w, g, mi, mo, o, c * SGD_CHUNK, min((c + 1) * SGD_CHUNK, n), lr, wd,
                        rescale, momentum, clip)
+
+
+cdef Py_ssize_t _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssize_t hi,
+                         Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm, double inv_rm,
+                         float* w, float* mom, float lr, float wd, float rescale,
+                         float momentum, float clip) noexcept nogil:
+    # Lanes [lo, hi): BLOCK lanes at a time decoded into a tile that stays in cache,
+    # then the SGD step of their elements reads the tile.
+    cdef float tile[BLOCK * MAX_DIGITS]
+    cdef Py_ssize_t i = lo, j, e0, bad = 0
+    while i < hi:
+        j = min(i + BLOCK, hi)
+        bad += _dec(lanes, tile, rows, i, j, n, k, m, rm, inv_rm)
+        e0 = i * k
+        _sgd_chunk(w + e0, tile, mom + e0 if mom != NULL else NULL,
+                   mom + e0 if mom != NULL else NULL, w + e0, 0, min(j * k, n) - e0, lr, wd,
+                   rescale, momentum, clip)
+        i = j
+    return bad
+
+
+def decode_sgd_step(const double[::1] lanes, const float[::1] rows, Py_ssize_t k, Py_ssize_t m,
+                    float[::1] weight, float[::1] mom, float lr, float wd, float rescale,
+                    float momentum, float clip, int num_threads):
+    """sgd_step in place on weight (and mom) with the gradient that decode_lanes would write.
+
+    The gradient goes through a cache-sized tile, never to memory; the weights come out
+    bitwise equal to decode_lanes followed by sgd_step. Lanes outside [0, 2**53) raise
+    ValueError before any weight is written.
+    """
+    cdef Py_ssize_t n = weight.shape[0]
+    cdef int64_t rm = rows.shape[0] // ROW
+    cdef Py_ssize_t n_lanes = _check_table("decode_sgd_step", lanes, rows, n, k, m)
+    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c, i, bad = 0
+    cdef double inv_rm = 1.0 / <double>rm
+    if mom is not None and mom.shape[0] != n:
+        raise ValueError("decode_sgd_step: mom has %d elements, weight %d" % (mom.shape[0], n))
+    if n == 0:
+        return
+    cdef const double* ln = &lanes[0]
+    cdef const float* tb = &rows[0]
+    cdef float* w = &weight[0]
+    cdef float* mo = &mom[0] if mom is not None else NULL
+    with nogil:
+        for i in range(n_lanes):
+            if not (ln[i] >= 0 and ln[i] < 9007199254740992.0):
+                bad += 1
+    if bad:
+        raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
+                         "(wrong codec, worker count or corrupted data); no weight was written"
+                         % bad)
+    with nogil:
+        for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
+            _dec_sgd(ln, tb, c * CHUNK_LANES, min((c + 1) * CHUNK_LANES, n_lanes), n, k, m, rm,
+                     inv_rm, w, mo, lr, wd, rescale, momentum, clip)

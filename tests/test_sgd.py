@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import training_helpers as th
-from slimgc_mx import sgd
+from slimgc_mx import codecs, sgd
 from slimgc_mx.backup import clone_optimizer
 from slimgc_mx.codecs.base import kernels
 from slimgc_mx.sgd import SGDKernel
@@ -47,6 +47,63 @@ def test_sgd_step_rejects_mismatched_buffers():
         kernels().sgd_step(a, a, b, None, a, 0.1, 0.0, 1.0, 0.9, -1.0, 1)
     with pytest.raises(ValueError, match="mom_out needs mom_in"):
         kernels().sgd_step(a, a, None, a, a, 0.1, 0.0, 1.0, 0.9, -1.0, 1)
+
+
+@pytest.mark.parametrize("name", ["1bit", "2bit", "4bit"])
+@pytest.mark.parametrize("momentum,clip", [(0.9, -1.0), (0.0, 0.7)])
+def test_decoding_step_is_bitwise_decode_then_step(name, momentum, clip):
+    """decode_sgd_step = decode_lanes + sgd_step bit for bit, and decode_table advances
+    the codec's shared state (1bit scale, 4bit group) as decode does."""
+    n_workers, n = 3, 200003  # several chunks and tiles, the last lane partial
+    rng = np.random.RandomState(2)
+    workers = [codecs.create(name, num_threads=2) for _ in range(n_workers)]
+    residuals = [np.zeros(n, np.float32) for _ in range(n_workers)]
+    plain, fused = codecs.create(name), codecs.create(name)
+    w = rng.randn(n).astype(np.float32)
+    m = rng.randn(n).astype(np.float32) if momentum else None
+    lr, wd, rescale = 0.05, 1e-3, 1.0 / 48
+    for step in range(3):  # later steps decode with the state the earlier ones agreed
+        grads = [rng.randn(n).astype(np.float32) * 0.3 for _ in range(n_workers)]
+        total = sum(c.encode(g, r, n_workers) for c, g, r in zip(workers, grads, residuals))
+        for c in workers:
+            c.decode(total, n, n_workers)
+        agg = plain.decode(total, n, n_workers)
+        k, digits, rows = fused.decode_table(total, n, n_workers)
+        assert plain.state_dict() == fused.state_dict()
+        results = []
+        for threads in (1, 3):
+            w2, m2 = w.copy(), m.copy() if momentum else None
+            kernels().decode_sgd_step(total, rows, k, digits, w2, m2, lr, wd, rescale, momentum,
+                                      clip, threads)
+            results.append((w2, m2))
+        kernels().sgd_step(w, agg, m, m, w, lr, wd, rescale, momentum, clip, 1)
+        for w2, m2 in results:
+            np.testing.assert_array_equal(w2, w)
+            if momentum:
+                np.testing.assert_array_equal(m2, m)
+
+
+def test_decoding_step_refuses_bad_lanes_before_writing():
+    codec = codecs.create("2bit")
+    n = 5000
+    lanes = codec.encode(np.ones(n, np.float32), np.zeros(n, np.float32), 2) * 2
+    k, digits, rows = codec.decode_table(lanes, n, 2)
+    w = np.ones(n, np.float32)
+    for bad in (-1.0, 2.0 ** 53):
+        poisoned = lanes.copy()
+        poisoned[-1] = bad
+        with pytest.raises(ValueError, match="no weight was written"):
+            kernels().decode_sgd_step(poisoned, rows, k, digits, w, None, 0.1, 0.0, 1.0, 0.0,
+                                      -1.0, 2)
+        np.testing.assert_array_equal(w, 1)
+    with pytest.raises(ValueError, match="mom has 3 elements"):
+        kernels().decode_sgd_step(lanes, rows, k, digits, w, np.zeros(3, np.float32), 0.1, 0.0,
+                                  1.0, 0.9, -1.0, 1)
+    with pytest.raises(ValueError, match="lanes has"):
+        kernels().decode_sgd_step(lanes[:10], rows, k, digits, w, None, 0.1, 0.0, 1.0, 0.0,
+                                  -1.0, 1)
+    with pytest.raises(TypeError, match="call decode"):
+        codecs.create("2bit", reference=True).decode_table(lanes, n, 2)
 
 
 def test_only_mxnet_sgd_itself_is_supported():

@@ -292,15 +292,42 @@ class Codec:
         Codecs with a trailer lane also update their shared state here (every worker
         receives the same sum, so every worker's instance stays equal).
         """
-        n_workers = check_num_workers(num_workers)
-        radix, k = self.geometry(n_workers)
-        n_lanes = self.lane_count(size, n_workers)
-        check_vector("lanes_sum", lanes_sum, self.wire_dtype, length=n_lanes)
+        n_workers, radix, k, stat = self._check_sum(lanes_sum, size, num_workers)
         if out is None:
             out = np.empty(size, dtype=np.float32)
         else:
             check_vector("out", out, np.float32, writeable=True, length=size)
         _check_disjoint(lanes_sum=lanes_sum, out=out)
+        self._decode_into(lanes_sum, out, n_workers, radix, k)
+        if stat is not None:
+            self._agree(stat)
+        return out
+
+    @property
+    def decodes_by_table(self):
+        """True when decode_table serves this codec (it decodes with the shared table kernel)."""
+        return type(self)._decode_into is Codec._decode_into
+
+    def decode_table(self, lanes_sum, size, num_workers):
+        """(k, m, rows) for kernels.decode_sgd_step: decode() without writing the values.
+
+        Checks lanes_sum as decode does and advances the shared state as decode does,
+        so the table must serve exactly this sum.
+        """
+        if not self.decodes_by_table:
+            raise TypeError("%s decodes without the table kernel; call decode" % self.name)
+        n_workers, radix, k, stat = self._check_sum(lanes_sum, size, num_workers)
+        m, rows = self._rows(n_workers, radix, k, size)
+        if stat is not None:
+            self._agree(stat)
+        return k, m, rows
+
+    def _check_sum(self, lanes_sum, size, num_workers):
+        """(N, R, k, mean trailer statistic or None) of a valid lanes sum for `size` elements."""
+        n_workers = check_num_workers(num_workers)
+        radix, k = self.geometry(n_workers)
+        check_vector("lanes_sum", lanes_sum, self.wire_dtype,
+                     length=self.lane_count(size, n_workers))
         stat = None
         if self.trailer_lanes:
             stat = float(lanes_sum[-1]) / n_workers
@@ -308,10 +335,7 @@ class Codec:
                 raise ValueError("%s: the trailer lane sums to %r, not a finite statistic >= 0; "
                                  "the lanes were not produced by this codec"
                                  % (self.name, lanes_sum[-1]))
-        self._decode_into(lanes_sum, out, n_workers, radix, k)
-        if stat is not None:
-            self._agree(stat)
-        return out
+        return n_workers, radix, k, stat
 
     def _agree(self, mean_stat):
         """Update the shared state from the workers' mean trailer statistic."""
