@@ -243,6 +243,11 @@ class SlimGC(KVStoreBase):
         compressed = b.codec is not None and self._cttab.compressed(b.nbytes, step)
         serial = self._cttab.phase == "warmup"
         job = Job(b, step, compressed, serial, ([(key, b, step, local)], opt_settings), key)
+        # After warm-up (whose timings include the decode) the SGD kernel decodes the
+        # sum tile by tile inside its update: the aggregate never goes to memory.
+        job.decode_in_update = (compressed and not serial and opt_settings is not None
+                                and self._sgd is not None and b.device is None
+                                and b.codec.decodes_by_table)
         if compressed and b.device is not None:
             # Offload off: encode with NDArray ops on the gradient's own context, in line.
             try:
@@ -334,11 +339,20 @@ class SlimGC(KVStoreBase):
         # A bucket of small keys takes one multi-tensor op in MXNet's engine: cheaper
         # than the kernel's per-key engine waits (scripts/per_key_cost.py).
         kernel = self._sgd if len(entries) == 1 else None
+        table = None
+        if job.decode_in_update:
+            lanes = b.bit_recv.for_read()
+            if kernel is not None:
+                table = b.codec.decode_table(lanes, b.size, self.num_workers)
+            else:  # set_optimizer left SGD since this job was submitted
+                b.codec.decode(lanes, b.size, self.num_workers, out=b.agg.for_write())
 
         def update(glos):
             opt = self._glo_updater.optimizer
             opt.lr, opt.wd, opt.rescale_grad, opt.param_dict = lr, wd, rescale, param_dict
-            if kernel is not None:
+            if table is not None:
+                kernel.global_step_decoding(indices[0], b.bit_recv, table, glos[0])
+            elif kernel is not None:
                 kernel.global_step(indices, aggs, glos)
             else:
                 # MXNet's Updater takes lists (a bucket: its multi-tensor ops, as
@@ -470,7 +484,8 @@ class SlimGC(KVStoreBase):
         """Bytes on the wire (each direction) versus fp32, times, and the threshold decision.
 
         comm_s: transfer time summed over keys (transfers overlap each other);
-        compress_s: encode + decode time; blocked_s: time the training thread waited
+        compress_s: encode + decode time (decoding fused into the SGD kernel's update
+        after warm-up is not in it); blocked_s: time the training thread waited
         for global weights (the communication that was not hidden); cttab_rule and
         cttab_link: how BestCT was read and the link fitted to the warm-up;
         fused_keys / fused_buckets: full-precision keys sent together, in how many

@@ -6,6 +6,7 @@ key's transfer and a third key's decoding:
     encoder       wait for grad_buf, encode bit_buf with the codec (no GIL held)
     communicator  push + pull on the transport (MXNet's engine sends asynchronously)
     finisher      wait for the sum, decode it into the aggregate, hand it to `finish`
+                  (or, for a job marked decode_in_update, leave decoding to `finish`)
 
 Any exception in a stage is kept and raised in the training thread at its next
 wait, chained to the original traceback; later jobs are dropped.
@@ -85,7 +86,7 @@ class Job:
     """One key's aggregation for one step."""
 
     __slots__ = ("buffers", "step", "compressed", "serial", "context", "key", "handle",
-                 "t_start", "t_comm", "t_proc", "nonfinite")
+                 "t_start", "t_comm", "t_proc", "nonfinite", "decode_in_update")
 
     def __init__(self, buffers, step, compressed, serial=False, context=None, key=None):
         self.buffers = buffers  # a KeyBuffers, or a fusion.Bucket on the full-precision route
@@ -98,6 +99,7 @@ class Job:
         self.t_start = self.t_comm = None
         self.t_proc = 0.0
         self.nonfinite = False  # this worker's gradient held NaN/Inf: it sends NaN
+        self.decode_in_update = False  # `finish` decodes bit_recv inside the optimizer step
 
 
 class Pipeline:
@@ -235,7 +237,7 @@ class Pipeline:
             b.device.decode(b.bit_recv.nd, b.size, n, out=b.agg.nd)
             b.agg.for_read()
             job.t_proc += time.perf_counter() - t0
-        elif job.compressed:
+        elif job.compressed and not job.decode_in_update:
             lanes, agg = b.bit_recv.for_read(), b.agg.for_write()
             t0 = time.perf_counter()
             b.codec.decode(lanes, b.size, n, out=agg)

@@ -59,14 +59,26 @@ class SGDKernel:
     def global_step(self, indices, grads, weights):
         """weights[j] (glo_buf) <- one SGD step with grads[j] (the aggregates), momentum kept."""
         opt = self.updater.optimizer
-        opt._update_count(indices)
-        for index, grad, weight, lr, wd in zip(indices, grads, weights, opt._get_lrs(indices),
-                                               opt._get_wds(indices)):
+        for index, grad, weight, (lr, wd) in zip(indices, grads, weights, _count(opt, indices)):
             mom = self.momentum(index, weight.nd.shape)
             w = weight.for_write()
             m = mom.for_write() if mom is not None else None
             kernels().sgd_step(w, grad.for_read(), m, m, w, lr, wd, opt.rescale_grad,
                                opt.momentum, _clip(opt), self.num_threads)
+
+    def global_step_decoding(self, index, lanes, table, weight):
+        """global_step of one key whose aggregate is decoded from `lanes` on the fly.
+
+        table: (k, m, rows) from the codec's decode_table. The weights are bitwise
+        those of decode + global_step, without writing the aggregate to memory.
+        """
+        opt = self.updater.optimizer
+        (lr, wd), = _count(opt, [index])
+        mom = self.momentum(index, weight.nd.shape)
+        k, m, rows = table
+        kernels().decode_sgd_step(lanes.for_read(), rows, k, m, weight.for_write(),
+                                  mom.for_write() if mom is not None else None, lr, wd,
+                                  opt.rescale_grad, opt.momentum, _clip(opt), self.num_threads)
 
     def local_step(self, opt, index, grad, weight, out, engine=None):
         """out <- one step of `opt`'s settings from `weight`, reading the global momentum.
@@ -75,8 +87,7 @@ class SGDKernel:
         With `engine` (an EngineNotifier) the pass runs as an operator once `grad` is
         ready, so the calling thread does not wait for backward; without, it runs here.
         """
-        opt._update_count(index)
-        lr, wd = opt._get_lrs([index])[0], opt._get_wds([index])[0]
+        (lr, wd), = _count(opt, [index])
         rescale, momentum, clip = opt.rescale_grad, opt.momentum, _clip(opt)
         mom = self.momentum(index, weight.nd.shape)
         reads = [grad, weight] + ([mom] if mom is not None else [])
@@ -93,6 +104,12 @@ class SGDKernel:
             run()
         else:
             engine.run(run, [buf.nd for buf in reads], [out.nd])
+
+
+def _count(opt, indices):
+    """Count an update of `indices`, as MXNet's optimizer does; their (lr, wd) pairs."""
+    opt._update_count(indices)
+    return list(zip(opt._get_lrs(indices), opt._get_wds(indices)))
 
 
 def _clip(opt):

@@ -16,7 +16,7 @@ from mxnet import gluon
 
 import slimgc_mx
 import training_helpers as th
-from slimgc_mx import codecs
+from slimgc_mx import codecs, sgd
 from slimgc_mx.backup import BackupTimeout
 from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.pipeline import PipelineError
@@ -119,6 +119,32 @@ def test_global_weights_bitwise_equal_across_workers(backup):
         np.testing.assert_array_equal(a, b)
     assert s0["bytes_pushed"] < s0["bytes_fp32"]  # the 32x12 weight went compressed
     assert s0["comm_threshold_bytes"] == 256
+
+
+@pytest.mark.parametrize("name", ["1bit", "2bit", "4bit"])
+def test_sgd_update_decodes_compressed_sums_with_the_same_weights(monkeypatch, name):
+    """After warm-up MXNet's SGD decodes compressed keys inside the kernel's update; an SGD
+    subclass takes MXNet's ops on the aggregate decoded first, and gets the same weights."""
+    used = []
+    original = sgd.SGDKernel.global_step_decoding
+    monkeypatch.setattr(sgd.SGDKernel, "global_step_decoding",
+                        lambda self, *args: used.append(1) or original(self, *args))
+
+    class SubclassedSGD(mx.optimizer.SGD):
+        pass
+
+    runs = {}
+    for cls in (mx.optimizer.SGD, SubclassedSGD):
+        runs[cls] = th.slimgc_workers(2, _net, th.batches(12), sgd_class=cls, compressor=name,
+                                      threshold=0.01, comm_threshold=256, warmup_steps=2)
+        assert runs[cls][0][1]["compressed_transfers"] > 0
+        if cls is mx.optimizer.SGD:
+            assert used  # the fused path ran (the 32x12 weight is compressed)
+            del used[:]
+    assert not used
+    for (fused, _), (plain, _) in zip(runs[mx.optimizer.SGD], runs[SubclassedSGD]):
+        for a, b in zip(fused, plain):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_backup_local_step_then_global_weights():
