@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.backup import LocalUpdater, clone_optimizer  # noqa: E402
 from slimgc_mx.sgd import SGDKernel  # noqa: E402
 from slimgc_mx.transport import Buffer, EngineNotifier  # noqa: E402
@@ -54,11 +55,24 @@ def operations(n):
     kernel = SGDKernel(kernel_updater, num_threads=1)
     local = LocalUpdater(opt, 2, global_updater=kernel_updater, kernel=kernel, engine=engine)
     agg, glo, grad, loc = (Buffer((n,), np.float32) for _ in range(4))
+    codec = codecs.create("2bit", num_threads=1)  # a compressed key: 2 workers' lanes summed
+    lanes = Buffer((codec.lane_count(n, 2),), codec.wire_dtype)
+    grad_values = np.random.RandomState(0).randn(n).astype(np.float32)  # varied levels
+    codec.encode(grad_values, np.zeros(n, np.float32), 2, out=lanes.for_write())
+    lanes.for_write()[:] *= 2
+
+    def decode_then_update():
+        codec.decode(lanes.for_read(), n, 2, out=agg.for_write())
+        kernel.global_step([1], [agg], [glo])
+
     return {
         "global update (MXNet Updater)": (lambda: updater(0, g, w), 1),
         "global update, %d keys per call" % FUSED_KEYS: (lambda: many(indices, gs, ws),
                                                          FUSED_KEYS),
         "global update (SGD kernel)": (lambda: kernel.global_step([0], [agg], [glo]), 1),
+        "2bit decode, then global update": (decode_then_update, 1),
+        "2bit decode inside global update": (lambda: kernel.global_step_decoding(
+            1, lanes, codec.decode_table(lanes.for_read(), n, 2), glo), 1),
         "sgd_mom_update op alone": (lambda: mx.nd.sgd_mom_update(
             w, g, mom, out=out, lr=0.01, wd=0.0, momentum=0.9, rescale_grad=1 / 32), 1),
         "local update (SGD kernel, engine)": (lambda: local(1, grad, glo, loc), 1),
