@@ -7,7 +7,9 @@ op its Updater uses) the CPU time of this kernel on one thread
 (docs/benchmarks.md), and on a communication-bound model those updates are a
 large share of a worker's CPU.
 The kernel computes the same float32 expressions as sgd_update / sgd_mom_update,
-so the weights are bitwise the same (tested).
+so the weights are bitwise the same (tested). For a compressed key it can also
+decode the summed lanes inside the global update, so the aggregate never goes
+to memory.
 """
 import mxnet as mx
 import numpy as np

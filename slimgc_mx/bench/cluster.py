@@ -547,7 +547,8 @@ def time_composition(rec: dict, compute_s: Optional[float],
 
     compute: the no-comm step time (capped by the step); exposed = step - compute;
     wire: the time the measured bytes need at line rate (larger direction / bandwidth);
-    compression: the kvstore's encode+decode time per step (0 for MXNet's kvstore);
+    compression: the kvstore's compress_s per step, encode + decode apart from the
+    optimizer update (0 for MXNet's kvstore);
     overlap = wire + compression - exposed, >= 0: work that did not lengthen the step;
     blocked: time the training thread waited for global weights (slimgc only).
     """
