@@ -585,23 +585,24 @@ def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mo
                        rescale, momentum, clip)
 
 
-cdef Py_ssize_t _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssize_t hi,
-                         Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm, double inv_rm,
-                         float* w, float* mom, float lr, float wd, float rescale,
-                         float momentum, float clip) noexcept nogil:
+cdef void _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssize_t hi,
+                   Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm, double inv_rm,
+                   float* w, float* mom, float lr, float wd, float rescale, float momentum,
+                   float clip) noexcept nogil:
     # Lanes [lo, hi): BLOCK lanes at a time decoded into a tile that stays in cache,
-    # then the SGD step of their elements reads the tile.
+    # then the SGD step of their elements reads the tile. The caller has range-checked
+    # the lanes, so _dec's count of bad lanes is always 0 here.
     cdef float tile[BLOCK * MAX_DIGITS]
-    cdef Py_ssize_t i = lo, j, e0, bad = 0
+    cdef float* mom_e0
+    cdef Py_ssize_t i = lo, j, e0
     while i < hi:
         j = min(i + BLOCK, hi)
-        bad += _dec(lanes, tile, rows, i, j, n, k, m, rm, inv_rm)
+        _dec(lanes, tile, rows, i, j, n, k, m, rm, inv_rm)
         e0 = i * k
-        _sgd_chunk(w + e0, tile, mom + e0 if mom != NULL else NULL,
-                   mom + e0 if mom != NULL else NULL, w + e0, 0, min(j * k, n) - e0, lr, wd,
+        mom_e0 = mom + e0 if mom != NULL else NULL
+        _sgd_chunk(w + e0, tile, mom_e0, mom_e0, w + e0, 0, min(j * k, n) - e0, lr, wd,
                    rescale, momentum, clip)
         i = j
-    return bad
 
 
 def decode_sgd_step(const double[::1] lanes, const float[::1] rows, Py_ssize_t k, Py_ssize_t m,
