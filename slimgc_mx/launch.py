@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from ._threads import available_cpus
 from .servers import SERVER_ENV, SERVER_ENV_TEXT
 
 log = logging.getLogger("slimgc_mx.launch")
@@ -197,6 +198,15 @@ class Task:
         return self.role if self.role == "scheduler" else f"{self.role} {self.index}"
 
 
+def omp_threads(num_workers: int, cpus: Optional[int] = None) -> int:
+    """OpenMP threads per process when num_workers MXNet workers share this host's cores.
+
+    MXNet's default (one OpenMP thread per core in every process) oversubscribes a host
+    that runs several workers: their threads spin against each other (docs/launcher.md).
+    """
+    return max(1, (cpus or available_cpus()) // max(1, num_workers))
+
+
 def describe_status(code: int) -> str:
     """'exited with code 3' or 'was killed by signal SIGKILL (9)' for a Popen returncode."""
     if code < 0:
@@ -242,6 +252,11 @@ def build_plan(args) -> List[Task]:
         node_of = lambda i: None  # noqa: E731
         runner = local
         common["DMLC_NODE_HOST"] = root_uri  # every node on loopback unless --env says otherwise
+        if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in user_env:
+            common["OMP_NUM_THREADS"] = str(omp_threads(args.num_workers))
+            log.info("OMP_NUM_THREADS=%s for every process: %d workers share %d CPUs "
+                     "(--env OMP_NUM_THREADS:N sets another value)", common["OMP_NUM_THREADS"],
+                     args.num_workers, available_cpus())
     else:
         if not args.hostfile:
             raise LaunchError("--launcher ssh needs -H HOSTFILE")

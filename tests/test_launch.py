@@ -192,6 +192,26 @@ def test_servers_get_a_zero_filled_heap_unless_told_otherwise():
     assert server["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"  # over --env it does not
 
 
+def test_local_processes_share_the_cores_unless_told_otherwise(monkeypatch, tmp_path):
+    assert launch.omp_threads(2, cpus=2) == 1 and launch.omp_threads(4, cpus=2) == 1
+    assert launch.omp_threads(2, cpus=16) == 8 and launch.omp_threads(1, cpus=3) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    plan = launch.build_plan(launch.parse_args(["-n", "2", "true"]))
+    assert {t.env["OMP_NUM_THREADS"] for t in plan} == {str(launch.omp_threads(2))}
+    plan = launch.build_plan(launch.parse_args(["-n", "2", "--env", "OMP_NUM_THREADS:5",
+                                                "--env-worker", "OMP_NUM_THREADS:3", "true"]))
+    assert {t.role: t.env["OMP_NUM_THREADS"] for t in plan} == {
+        "scheduler": "5", "server": "5", "worker": "3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # the shell's value reaches the processes
+    plan = launch.build_plan(launch.parse_args(["-n", "2", "true"]))
+    assert not any("OMP_NUM_THREADS" in t.env for t in plan)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h0\n")  # remote hosts: their cores are not known here
+    plan = launch.build_plan(launch.parse_args(["-n", "2", "-H", str(hostfile), "true"]))
+    assert not any("OMP_NUM_THREADS" in t.env for t in plan)
+
+
 def test_servers_default_to_workers_and_round_robin_plan(tmp_path):
     args = launch.parse_args(["-n", "3", "true"])
     assert (args.num_servers, args.launcher) == (3, "local")
