@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from slimgc_mx import launch
 from slimgc_mx.bench import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +36,18 @@ def test_only_slimgc_servers_get_the_zero_filled_heap():
         return [t.env for t in plan if t.role == "server"]
     assert all(env["MALLOC_PERTURB_"] == "255" for env in servers(False))
     assert not any("MALLOC_PERTURB_" in env or "GLIBC_TUNABLES" in env for env in servers(True))
+
+
+def test_every_process_gets_the_same_openmp_threads(monkeypatch):
+    argv = ["--model", "fc", "--workers", "4", "--configs", "fp32"]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cluster.parse_args(argv, "x").threads == launch.omp_threads(4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cluster.parse_args(argv, "x").threads == 3
+    assert cluster.parse_args(argv + ["--threads", "2"], "x").threads == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(SystemExit):
+        cluster.parse_args(argv, "x")
 
 
 def test_time_composition_adds_up():

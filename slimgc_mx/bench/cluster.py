@@ -428,8 +428,7 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
     plan = build_tasks(cluster, opts.workers, opts.servers, command, comm,
                        stock_servers=not name.startswith("slimgc-"))
     env = {"SLIMGC_WARMUP_STEPS": str(opts.slimgc_warmup)}
-    if opts.threads:
-        env["OMP_NUM_THREADS"] = str(opts.threads)
+    env["OMP_NUM_THREADS"] = str(opts.threads)
     for t in plan:
         t.env.update(env)
     cmd_per_task = {}
@@ -646,7 +645,9 @@ def parse_args(argv, prog):
     p.add_argument("--seeds", default="0", help="accuracy: comma list of seeds (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="OMP_NUM_THREADS for every process (default: MXNet's own choice)")
+                   help="OMP_NUM_THREADS for every process, the same in every configuration "
+                        "(default: $OMP_NUM_THREADS, else the launcher's rule: CPUs // workers, "
+                        "at least 1, since the workers share this machine's cores)")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for train.py, repeatable, e.g. --train-arg=--lr-schedule "
                         "--train-arg=cosine (default: none)")
@@ -677,6 +678,14 @@ def parse_args(argv, prog):
         opts.config_list = parse_configs(opts.configs, codecs)
     except ValueError as e:
         p.error(str(e))
+    if opts.threads is not None and opts.threads < 1:
+        p.error("--threads must be at least 1")
+    if opts.threads is None:
+        inherited = os.environ.get("OMP_NUM_THREADS", "").strip()
+        if inherited and not (inherited.isdigit() and int(inherited) >= 1):
+            p.error("OMP_NUM_THREADS=%r is not an integer >= 1; unset it or pass --threads N"
+                    % inherited)
+        opts.threads = int(inherited) if inherited else launch.omp_threads(opts.workers)
     if (opts.mode == "throughput" and any(c.startswith("slimgc") for c in opts.config_list)
             and opts.warmup < opts.slimgc_warmup + 2):
         p.error("--warmup must be at least --slimgc-warmup + 2 so the window starts after the "
@@ -731,8 +740,8 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
               "steps": opts.steps, "warmup": opts.warmup, "slimgc_warmup_steps": opts.slimgc_warmup,
               "batch_size": opts.batch_size, "threads": opts.threads,
               "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print("cluster bench: %s on %s, %d workers + %d servers, %s -> %s"
-          % (opts.model, opts.dataset, opts.workers, opts.servers,
+    print("cluster bench: %s on %s, %d workers + %d servers, OMP_NUM_THREADS=%d, %s -> %s"
+          % (opts.model, opts.dataset, opts.workers, opts.servers, opts.threads,
              ("netns, %s%s" % (opts.bandwidth or "unlimited",
                                ", delay %s" % opts.delay if opts.delay else ""))
              if use_netns else "loopback", opts.out), flush=True)
