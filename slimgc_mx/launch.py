@@ -506,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch an MXNet parameter-server job: 1 scheduler, S servers and W workers, "
                     "each running the same COMMAND with DMLC_ROLE etc. set. Output lines are "
                     "prefixed [scheduler], [server I], [worker I] (launch index; MXNet's kv.rank "
-                    "may differ). Exit status: the workers' (0 when all succeed), 128+N when a "
+                    "may differ). Local mode sets OMP_NUM_THREADS to CPUs // workers (at least 1) "
+                    "unless this shell or --env sets it. Exit status: the workers' (0 when all "
+                    "succeed), 128+N when a "
                     "process is killed by signal N, 2 for usage errors, 127 when COMMAND cannot start.",
         epilog="examples:\n"
                "  slimgc-launch -n 2 -s 2 python scripts/train.py\n"
