@@ -16,19 +16,23 @@ def available_cpus():
         return os.cpu_count() or 1
 
 
+def env_count(name, unset_hint):
+    """The integer >= 1 in environment variable `name`, None when unset or blank.
+
+    Anything else raises ValueError naming the variable, followed by `unset_hint`.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise ValueError("%s must be an integer >= 1, got %r; %s" % (name, raw, unset_hint))
+    return int(raw)
+
+
 def default_num_threads():
     """SLIMGC_NUM_THREADS when set, else available_cpus()."""
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw:
-        return available_cpus()
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError("%s must be an integer >= 1, got %r; unset it to use all %d CPUs"
-                         % (ENV_VAR, raw, available_cpus()))
-    return value
+    value = env_count(ENV_VAR, "unset it to use all %d CPUs" % available_cpus())
+    return available_cpus() if value is None else value
 
 
 def check_num_threads(value):

@@ -253,10 +253,11 @@ def build_plan(args) -> List[Task]:
         runner = local
         common["DMLC_NODE_HOST"] = root_uri  # every node on loopback unless --env says otherwise
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in user_env:
-            common["OMP_NUM_THREADS"] = str(omp_threads(args.num_workers))
+            cpus = available_cpus()
+            common["OMP_NUM_THREADS"] = str(omp_threads(args.num_workers, cpus))
             log.info("OMP_NUM_THREADS=%s for every process: %d workers share %d CPUs "
                      "(--env OMP_NUM_THREADS:N sets another value)", common["OMP_NUM_THREADS"],
-                     args.num_workers, available_cpus())
+                     args.num_workers, cpus)
     else:
         if not args.hostfile:
             raise LaunchError("--launcher ssh needs -H HOSTFILE")
@@ -508,8 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "prefixed [scheduler], [server I], [worker I] (launch index; MXNet's kv.rank "
                     "may differ). Local mode sets OMP_NUM_THREADS to CPUs // workers (at least 1) "
                     "unless this shell or --env sets it. Exit status: the workers' (0 when all "
-                    "succeed), 128+N when a "
-                    "process is killed by signal N, 2 for usage errors, 127 when COMMAND cannot start.",
+                    "succeed), 128+N when a process is killed by signal N, 2 for usage errors, "
+                    "127 when COMMAND cannot start.",
         epilog="examples:\n"
                "  slimgc-launch -n 2 -s 2 python scripts/train.py\n"
                "  slimgc-launch -n 4 -H hosts --env OMP_NUM_THREADS:2 python scripts/train.py",

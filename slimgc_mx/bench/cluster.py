@@ -20,6 +20,7 @@ import time
 from typing import Dict, List, Optional
 
 from .. import launch
+from .._threads import env_count
 from ..servers import SERVER_ENV
 
 DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, time "
@@ -681,11 +682,12 @@ def parse_args(argv, prog):
     if opts.threads is not None and opts.threads < 1:
         p.error("--threads must be at least 1")
     if opts.threads is None:
-        inherited = os.environ.get("OMP_NUM_THREADS", "").strip()
-        if inherited and not (inherited.isdigit() and int(inherited) >= 1):
-            p.error("OMP_NUM_THREADS=%r is not an integer >= 1; unset it or pass --threads N"
-                    % inherited)
-        opts.threads = int(inherited) if inherited else launch.omp_threads(opts.workers)
+        try:
+            opts.threads = env_count("OMP_NUM_THREADS", "unset it or pass --threads N")
+        except ValueError as e:
+            p.error(str(e))
+        if opts.threads is None:
+            opts.threads = launch.omp_threads(opts.workers)
     if (opts.mode == "throughput" and any(c.startswith("slimgc") for c in opts.config_list)
             and opts.warmup < opts.slimgc_warmup + 2):
         p.error("--warmup must be at least --slimgc-warmup + 2 so the window starts after the "
