@@ -410,32 +410,56 @@ def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, in
 # A lane holds k digits in radix R. The decoder peels "super-digits" of m <= ROW digits
 # at a time (radix Rm = R**m) and copies their decoded values from a table whose rows
 # are ROW floats wide, so it divides once per m elements and copies fixed-size rows.
-# Division of x < 2**53: the double quotient x * (1/Rm) is within one of floor(x / Rm);
-# the exact integer remainder fixes it, branch-free.
+# Division of x < 2**53 by Rm (2**s <= Rm < 2**(s+1)) is a multiply by the reciprocal
+# M = ceil(2**(63+s) / Rm): floor(x * M / 2**(63+s)) = floor(x / Rm), because the
+# rounding up of M adds less than x / 2**(63+s) < 2**-(10+s) < 1/Rm.
 
-cdef inline int64_t _divmod(int64_t* x, int64_t rm, double inv_rm) noexcept nogil:
-    cdef int64_t xs = x[0]
-    cdef int64_t q = <int64_t>(<double>xs * inv_rm)
-    cdef int64_t rem = xs - q * rm
-    cdef int64_t mask = -(rem < 0)
-    q += mask
-    rem += rm & mask
-    mask = -(rem >= rm)
-    q -= mask
-    rem -= rm & mask
+cdef extern from *:
+    """
+    /* High 64 bits of a * b. */
+    #ifndef __SIZEOF_INT128__
+    #error "slimgc_mx needs a compiler with unsigned __int128 (GCC or Clang on a 64-bit target)"
+    #endif
+    static inline uint64_t slimgc_mulhi(uint64_t a, uint64_t b) {
+        return (uint64_t)(((unsigned __int128)a * b) >> 64);
+    }
+    """
+    uint64_t slimgc_mulhi(uint64_t a, uint64_t b) noexcept nogil
+
+
+cdef struct Divisor:
+    uint64_t d
+    uint64_t magic
+    int shift
+
+
+cdef Divisor _divisor(uint64_t d):
+    # d >= 2 (checked by _check_table): s >= 1, so the shift 63 + s - 64 is >= 0.
+    cdef Divisor v
+    cdef object divisor = d
+    cdef int s = divisor.bit_length() - 1
+    v.d = d
+    v.magic = ((<object>1 << (63 + s)) + divisor - 1) // divisor  # Python integers: exact
+    v.shift = s - 1
+    return v
+
+
+cdef inline uint64_t _divmod(uint64_t* x, const Divisor* dv) noexcept nogil:
+    cdef uint64_t q = slimgc_mulhi(x[0], dv.magic) >> dv.shift
+    cdef uint64_t rem = x[0] - q * dv.d
     x[0] = q
     return rem
 
 
 cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssize_t lo,
-                     Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm,
-                     double inv_rm) noexcept nogil:
+                     Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m,
+                     const Divisor* dv) noexcept nogil:
     # Decodes lanes [lo, hi) into out, which starts at element lo * k. Returns the number
     # of lanes outside [0, 2**53) (NaN included), decoded as 0: the division is only
     # exact below 2**53, and table rows must never be read out of range.
     cdef Py_ssize_t i = lo, b, nb, pos, cnt, t, bad = 0
-    cdef int64_t x[GROUP]
-    cdef int64_t s
+    cdef uint64_t x[GROUP]
+    cdef uint64_t s
     cdef double v
     cdef const float* src
     cdef float* dst
@@ -446,7 +470,7 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
         for b in range(nb):
             v = lanes[i + b]
             if v >= 0 and v < 9007199254740992.0:
-                x[b] = <int64_t>v
+                x[b] = <uint64_t>v
             else:
                 x[b] = 0
                 bad += 1
@@ -456,11 +480,11 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
                 # A whole row fits inside every lane: copy it; the spill past m is
                 # overwritten by the next position of the same lane.
                 for b in range(nb):
-                    s = _divmod(&x[b], rm, inv_rm)
+                    s = _divmod(&x[b], dv)
                     memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, ROW * sizeof(float))
             else:
                 for b in range(nb):
-                    s = _divmod(&x[b], rm, inv_rm)
+                    s = _divmod(&x[b], dv)
                     cnt = min(m, k - pos, n - (i + b) * k - pos)
                     src = rows + s * ROW
                     dst = out + (i - lo + b) * k + pos
@@ -492,19 +516,19 @@ def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
     of the m radix-R digits of s, least significant first (the rest is padding).
     """
     cdef Py_ssize_t n = out.shape[0]
-    cdef int64_t rm = rows.shape[0] // ROW
+    cdef uint64_t rm = rows.shape[0] // ROW
     cdef Py_ssize_t n_lanes = _check_table("decode_lanes", lanes, rows, n, k, m)
     cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c, bad = 0
-    cdef double inv_rm = 1.0 / <double>rm
     if n == 0:
         return
+    cdef Divisor dv = _divisor(rm)
     cdef const double* ln = &lanes[0]
     cdef float* o = &out[0]
     cdef const float* tb = &rows[0]
     with nogil:
         for c in prange(n_chunks, schedule="dynamic", num_threads=_team(num_threads, n_chunks)):
             bad += _dec(ln, o + c * CHUNK_LANES * k, tb, c * CHUNK_LANES,
-                        min((c + 1) * CHUNK_LANES, n_lanes), n, k, m, rm, inv_rm)
+                        min((c + 1) * CHUNK_LANES, n_lanes), n, k, m, &dv)
     if bad:
         raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
                          "(wrong codec, worker count or corrupted data)" % bad)
@@ -586,8 +610,8 @@ def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mo
 
 
 cdef void _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssize_t hi,
-                   Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, int64_t rm, double inv_rm,
-                   float* w, float* mom, float lr, float wd, float rescale, float momentum,
+                   Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, const Divisor* dv, float* w,
+                   float* mom, float lr, float wd, float rescale, float momentum,
                    float clip) noexcept nogil:
     # Lanes [lo, hi): BLOCK lanes at a time decoded into a tile that stays in cache,
     # then the SGD step of their elements reads the tile. The caller has range-checked
@@ -597,7 +621,7 @@ cdef void _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssi
     cdef Py_ssize_t i = lo, j, e0
     while i < hi:
         j = min(i + BLOCK, hi)
-        _dec(lanes, tile, rows, i, j, n, k, m, rm, inv_rm)
+        _dec(lanes, tile, rows, i, j, n, k, m, dv)
         e0 = i * k
         mom_e0 = mom + e0 if mom != NULL else NULL
         _sgd_chunk(w + e0, tile, mom_e0, mom_e0, w + e0, 0, min(j * k, n) - e0, lr, wd,
@@ -615,14 +639,14 @@ def decode_sgd_step(const double[::1] lanes, const float[::1] rows, Py_ssize_t k
     ValueError before any weight is written.
     """
     cdef Py_ssize_t n = weight.shape[0]
-    cdef int64_t rm = rows.shape[0] // ROW
+    cdef uint64_t rm = rows.shape[0] // ROW
     cdef Py_ssize_t n_lanes = _check_table("decode_sgd_step", lanes, rows, n, k, m)
     cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c, i, bad = 0
-    cdef double inv_rm = 1.0 / <double>rm
     if mom is not None and mom.shape[0] != n:
         raise ValueError("decode_sgd_step: mom has %d elements, weight %d" % (mom.shape[0], n))
     if n == 0:
         return
+    cdef Divisor dv = _divisor(rm)
     cdef const double* ln = &lanes[0]
     cdef const float* tb = &rows[0]
     cdef float* w = &weight[0]
@@ -637,5 +661,5 @@ def decode_sgd_step(const double[::1] lanes, const float[::1] rows, Py_ssize_t k
                          % bad)
     with nogil:
         for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
-            _dec_sgd(ln, tb, c * CHUNK_LANES, min((c + 1) * CHUNK_LANES, n_lanes), n, k, m, rm,
-                     inv_rm, w, mo, lr, wd, rescale, momentum, clip)
+            _dec_sgd(ln, tb, c * CHUNK_LANES, min((c + 1) * CHUNK_LANES, n_lanes), n, k, m, &dv,
+                     w, mo, lr, wd, rescale, momentum, clip)

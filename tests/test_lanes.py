@@ -88,3 +88,34 @@ def test_chunk_sum_is_sequential_within_and_across_chunks():
             s += x
         expected += s
     assert base.chunk_sum(v, k) == expected
+
+
+@pytest.mark.parametrize("radix", [2, 3, 5, 9, 13, 181])
+def test_decoder_division_is_exact_up_to_the_largest_lane(radix):
+    # The decoder divides lanes by R**m with a multiply by a rounded-up reciprocal; with a
+    # table whose rows hold the digits themselves, its output is the lanes' digits, so
+    # any off-by-one quotient shows. Lanes: 0, the largest (R**k - 1), the values on
+    # both sides of multiples of R**m near the top, and random ones.
+    k = int(math.floor(53 / math.log2(radix)))
+    while radix ** (k + 1) <= 2 ** 53:
+        k += 1
+    while radix ** k > 2 ** 53:
+        k -= 1
+    rng = np.random.default_rng(radix)
+    top = radix ** k
+    for m in range(1, min(base.ROW, k) + 1):
+        rm = radix ** m
+        if rm > base.MAX_ROWS:
+            break
+        s = np.arange(rm)
+        rows = np.zeros((rm, base.ROW), np.float32)
+        rows[:, :m] = (s[:, None] // radix ** np.arange(m)[None, :]) % radix
+        q_top = (top - 1) // rm
+        lanes = [0, 1, top - 1, top - 2, rm - 1, rm]
+        lanes += [q * rm + d for q in (q_top, q_top - 1, q_top // 2) for d in (-1, 0, 1)]
+        lanes += [int(x) for x in rng.integers(0, top, 200, dtype=np.uint64)]
+        lanes = [x for x in lanes if 0 <= x < top]
+        out = np.zeros(len(lanes) * k, np.float32)
+        base.kernels().decode_lanes(np.array(lanes, np.float64), out, rows.ravel(), k, m, 1)
+        expected = [(x // radix ** j) % radix for x in lanes for j in range(k)]
+        assert out.astype(np.int64).tolist() == expected, (radix, m)
