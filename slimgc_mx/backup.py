@@ -18,7 +18,7 @@ import time
 import mxnet as mx
 import numpy as np
 
-from .transport import Buffer, async_engine
+from .transport import Buffer, async_engine, copy_array
 
 
 class BackupTimeout(TimeoutError):
@@ -95,7 +95,7 @@ class ModelBackup:
         slot.params = params
         local_update(grad, slot.glo, slot.loc)
         for out in params:
-            slot.loc.nd.copyto(out)
+            copy_array(slot.loc.nd, out)
         with self._cond:
             slot.flag = 1
             self._cond.notify_all()
@@ -112,11 +112,11 @@ class ModelBackup:
         if self._engine is None:
             self.wait_version(key, step)
             for out in params:
-                slot.glo_buf.copyto(out)
+                copy_array(slot.glo_buf, out)
             return
         hold = self._engine.hold(slot.staged.nd)
         for out in params:
-            slot.staged.nd.copyto(out)
+            copy_array(slot.staged.nd, out)
         with self._cond:
             failed = self._error is not None
             waiting = slot.version < step and not failed
@@ -322,7 +322,7 @@ class LocalUpdater:
                 self._updater.states_synced[index] = True
             else:
                 self._updater.states.pop(index, None)
-        glo.nd.copyto(out.nd)
+        copy_array(glo.nd, out.nd)
         self._updater(index, grad.nd, out.nd)
 
 

@@ -25,7 +25,7 @@ from .config import SlimGCConfig
 from .fusion import FusedRoute
 from .pipeline import Job, KeyBuffers, Pipeline
 from .threshold import CTTab, NEVER
-from .transport import FUSED_KEY_BASE, Buffer, EngineNotifier, create_transport
+from .transport import FUSED_KEY_BASE, Buffer, EngineNotifier, copy_array, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class SlimGC(KVStoreBase):
             self._send_bucket(bucket)  # pushed again before the rest of its bucket: send what is in
         backup.wait_version(key, step)  # grad_buf and the residual are free again
         grad = _sum(grads)
-        grad.copyto(b.grad_buf.nd)
+        copy_array(grad, b.grad_buf.nd)
         local = backup.enabled and outs is not None
         if local:
             backup.local_step(key, step, b.grad_buf, outs,
@@ -232,12 +232,12 @@ class SlimGC(KVStoreBase):
         """No optimizer set: `outs` get the gradient summed over contexts and workers."""
         self._backup.wait_version(key, step)
         grad = _sum(grads)
-        grad.copyto(b.grad_buf.nd)
+        copy_array(grad, b.grad_buf.nd)
         self._submit(key, b, step, grad, None, False)
         self._steps[key] = step + 1
         self._backup.wait_version(key, step + 1)
         for o in outs:
-            b.agg.nd.copyto(o)
+            copy_array(b.agg.nd, o)
 
     def _submit(self, key, b, step, grad, opt_settings, local):
         compressed = b.codec is not None and self._cttab.compressed(b.nbytes, step)

@@ -85,6 +85,21 @@ class Buffer:
         return self._np
 
 
+def copy_array(src, dst):
+    """Queue dst <- src in MXNet's engine, like src.copyto(dst), at half its CPU when it can.
+
+    On the same context and dtype, MXNet's `_copy` operator copies with memcpy, where
+    CopyFromTo (copyto) moves 16 bytes per loop step; both bring an MKLDNN-layout
+    source into the destination's default layout (tests/test_copy_array.py).
+    Otherwise (another device, a cast, sparse storage) it is copyto.
+    """
+    if (src.context == dst.context and src.dtype == dst.dtype
+            and src.stype == "default" and dst.stype == "default"):
+        mx.nd.identity(src, out=dst)
+    else:
+        src.copyto(dst)
+
+
 class _Context(ctypes.Structure):
     _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int)]
 
