@@ -85,16 +85,21 @@ class Buffer:
         return self._np
 
 
+# Elements from which MXNet's `_copy` operator beats NDArray.copyto: its memcpy costs
+# half the CPU per element, its Python call about 20 us more (scripts/per_key_cost.py).
+COPY_OP_MIN_SIZE = 1 << 16
+
+
 def copy_array(src, dst):
     """Queue dst <- src in MXNet's engine, like src.copyto(dst), at half its CPU when it can.
 
     On the same context and dtype, MXNet's `_copy` operator copies with memcpy, where
     CopyFromTo (copyto) moves 16 bytes per loop step; both bring an MKLDNN-layout
-    source into the destination's default layout (tests/test_copy_array.py).
-    Otherwise (another device, a cast, sparse storage) it is copyto.
+    source into the destination's default layout (tests/test_copy_array.py). Small
+    arrays, another device, a cast or sparse storage go through copyto.
     """
-    if (src.context == dst.context and src.dtype == dst.dtype
-            and src.stype == "default" and dst.stype == "default"):
+    if (src.size >= COPY_OP_MIN_SIZE and src.context == dst.context
+            and src.dtype == dst.dtype and src.stype == "default" and dst.stype == "default"):
         mx.nd.identity(src, out=dst)
     else:
         src.copyto(dst)

@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 from mxnet.base import _LIB, check_call
 
+from slimgc_mx import transport
 from slimgc_mx.models import get_model
 from slimgc_mx.transport import Buffer, copy_array
+
+
+@pytest.fixture(params=["copy operator", "copyto"])
+def path(request, monkeypatch):
+    """Run a test through each of copy_array's two paths (the test arrays are small)."""
+    if request.param == "copy operator":
+        monkeypatch.setattr(transport, "COPY_OP_MIN_SIZE", 1)
+    return request.param
 
 
 def _raw_view(arr):
@@ -34,7 +43,7 @@ def _net_after_inference(seed=0):
     return net, x, params, views
 
 
-def test_reads_mkldnn_layout_weights_in_the_default_layout():
+def test_reads_mkldnn_layout_weights_in_the_default_layout(path):
     _, _, params, views = _net_after_inference()
     raws = [v.copy() for v in views]
     bufs = []
@@ -49,7 +58,7 @@ def test_reads_mkldnn_layout_weights_in_the_default_layout():
         np.testing.assert_array_equal(b.for_read(), values)
 
 
-def test_writes_into_mkldnn_layout_weights_like_copyto():
+def test_writes_into_mkldnn_layout_weights_like_copyto(path):
     net, x, params, _ = _net_after_inference()
     ref, _, ref_params, _ = _net_after_inference()
     for i, (p, q) in enumerate(zip(params, ref_params)):
@@ -61,7 +70,7 @@ def test_writes_into_mkldnn_layout_weights_like_copyto():
     np.testing.assert_array_equal(net(x).asnumpy(), ref(x).asnumpy())
 
 
-def test_waits_for_the_source_in_the_engine():
+def test_waits_for_the_source_in_the_engine(path):
     a = mx.nd.arange(1000)
     dst = Buffer((1000,), np.float32)
     copy_array(a * 2 + 1, dst.nd)
@@ -74,3 +83,12 @@ def test_casts_through_copyto(dtype):
     dst = Buffer((64,), np.float32)
     copy_array(src, dst.nd)
     np.testing.assert_array_equal(dst.for_read(), src.asnumpy().astype(np.float32))
+
+
+def test_large_arrays_take_the_copy_operator(monkeypatch):
+    calls = []
+    monkeypatch.setattr(transport.mx.nd, "identity", lambda *a, **k: calls.append(a))
+    src = mx.nd.ones(transport.COPY_OP_MIN_SIZE)
+    copy_array(src, mx.nd.zeros(transport.COPY_OP_MIN_SIZE))
+    copy_array(src[:10], mx.nd.zeros(10))
+    assert len(calls) == 1 and calls[0][0].size == transport.COPY_OP_MIN_SIZE
