@@ -89,7 +89,8 @@ def test_per_key_cost_reports_every_operation():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines()[1:] if line.strip()]
-    assert len(rows) == 10 and any(r.startswith("local update (SGD kernel") for r in rows)
+    assert len(rows) == 11 and any(r.startswith("local update (SGD kernel") for r in rows)
+    assert any(r.startswith("_copy operator (copy_array") for r in rows)
     assert any(r.startswith("2bit decode inside global update") for r in rows)
     assert any(r.startswith("global update, 16 keys per call") for r in rows)
     assert all(float(r.split()[-1]) > 0 for r in rows)  # wall microseconds per key
