@@ -263,6 +263,7 @@ cdef struct Job:
     Py_ssize_t k
     Py_ssize_t n_lanes
     Py_ssize_t chunk
+    bint checked
 
 
 cdef double _encode_chunk(const Job* job, Py_ssize_t c, Py_ssize_t* bad) noexcept nogil:
@@ -294,8 +295,10 @@ cdef inline bint _all_zero(const Py_ssize_t* flags, Py_ssize_t count) noexcept n
 
 cdef tuple _run(Job* job, int num_threads):
     """Check, then encode. Returns (non-finite grad count, non-finite grad + residual
-    count, trailer sum); nothing is written when the first count is not 0."""
+    count, trailer sum); nothing is written when the first count is not 0. A job whose
+    gradient the caller has already checked skips the read-only pass."""
     cdef Py_ssize_t n_check = _ceil_div(job.n, CHECK_CHUNK)
+    cdef Py_ssize_t n_checked = 0 if job.checked else n_check
     cdef Py_ssize_t n_chunks = _ceil_div(job.n_lanes, job.chunk)
     cdef Py_ssize_t c1, c2, bad = 0, bad_comp = 0
     cdef double total = 0.0
@@ -312,7 +315,7 @@ cdef tuple _run(Job* job, int num_threads):
         free(part)
         raise MemoryError()
     with nogil, parallel(num_threads=team):
-        for c1 in prange(n_check, schedule="dynamic"):
+        for c1 in prange(n_checked, schedule="dynamic"):
             flags[c1] = _count_bad(job.g + c1 * CHECK_CHUNK,
                                    min(CHECK_CHUNK, job.n - c1 * CHECK_CHUNK))
         slimgc_barrier()   # every flag is written before anyone reads them
@@ -352,34 +355,43 @@ cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
     job.units = NULL
     job.offset = 0
     job.param = 0.0
+    job.checked = False
     return job
 
 
 def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, float threshold, int num_threads):
+                const uint64_t[::1] powers, float threshold, int num_threads,
+                bint grad_checked=False):
     """2bit: levels {-t, 0, +t} -> q in {0, 1, 2}; fills lanes[:ceil(n/k)], updates residual.
 
     Returns (non-finite grad count, non-finite grad + residual count, 0.0); nothing is
-    written when the first count is not 0.
+    written when the first count is not 0. grad_checked: the caller has counted no
+    NaN/Inf in grad, so the read-only pre-check is skipped (a non-finite grad is then
+    found while encoding, in the second count, after residual and lanes are written).
+    Every encoder takes it.
     """
     cdef Job job = _job(MODE_2BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
                         lanes.shape[0], powers)
     job.param = threshold
+    job.checked = grad_checked
     return _run(&job, num_threads)
 
 
 def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, float scale, int num_threads):
+                const uint64_t[::1] powers, float scale, int num_threads,
+                bint grad_checked=False):
     """1bit: q = (c >= 0), value scale * (2q - 1); returns (counts as 2bit, sum |c|)."""
     cdef Job job = _job(MODE_1BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
                         lanes.shape[0], powers)
     job.param = scale
+    job.checked = grad_checked
     return _run(&job, num_threads)
 
 
 def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, const float[::1] thresholds,
-                const int[::1] units, int offset, int num_threads):
+                const int[::1] units, int offset, int num_threads,
+                bint grad_checked=False):
     """4bit: q = offset +- units[#thresholds <= |c|]; returns (counts as 2bit, sum |g|).
 
     thresholds ascending, thresholds[k] = float32(unit * units[k+1]) (the decoded
@@ -394,15 +406,18 @@ def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
     job.th = &thresholds[0]
     job.units = &units[0]
     job.offset = offset
+    job.checked = grad_checked
     return _run(&job, num_threads)
 
 
-def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, int num_threads):
+def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, int num_threads,
+                bint grad_checked=False):
     """Passthrough: lanes = grad + residual (float32), residual = 0; counts as 2bit."""
     cdef uint64_t one[1]
     one[0] = 1
     cdef Job job = _job(MODE_NONE, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
                         lanes.shape[0], <uint64_t[:1]>one)
+    job.checked = grad_checked
     return _run(&job, num_threads)
 
 
@@ -582,12 +597,14 @@ cdef void _sgd_chunk(const float* w, const float* g, const float* mom_in, float*
 
 def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mom_in,
              float[::1] mom_out, float[::1] out, float lr, float wd, float rescale,
-             float momentum, float clip, int num_threads):
+             float momentum, float clip, int num_threads, bint count_nonfinite=False):
     """One SGD step: out (and mom_out) from weight, grad and mom_in; see the rule above.
 
-    mom_in None: plain SGD. mom_out None: the momentum is read, not written.
+    mom_in None: plain SGD. mom_out None: the momentum is read, not written. Returns the
+    number of NaN/Inf in grad with count_nonfinite (each chunk is counted while it is
+    still in cache, so the encoder need not read grad again), else 0.
     """
-    cdef Py_ssize_t n = weight.shape[0], c, n_chunks
+    cdef Py_ssize_t n = weight.shape[0], c, n_chunks, lo, bad = 0
     if grad.shape[0] != n or out.shape[0] != n:
         raise ValueError("sgd_step: weight %d, grad %d and out %d elements differ"
                          % (n, grad.shape[0], out.shape[0]))
@@ -596,7 +613,7 @@ def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mo
     if mom_in is not None and mom_in.shape[0] != n or mom_out is not None and mom_out.shape[0] != n:
         raise ValueError("sgd_step: momentum buffers must have %d elements" % n)
     if n == 0:
-        return
+        return 0
     cdef const float* w = &weight[0]
     cdef const float* g = &grad[0]
     cdef const float* mi = &mom_in[0] if mom_in is not None else NULL
@@ -605,8 +622,12 @@ def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mo
     n_chunks = _ceil_div(n, SGD_CHUNK)
     with nogil:
         for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
-            _sgd_chunk(w, g, mi, mo, o, c * SGD_CHUNK, min((c + 1) * SGD_CHUNK, n), lr, wd,
-                       rescale, momentum, clip)
+            lo = c * SGD_CHUNK
+            _sgd_chunk(w, g, mi, mo, o, lo, min(lo + SGD_CHUNK, n), lr, wd, rescale, momentum,
+                       clip)
+            if count_nonfinite:
+                bad += _count_bad(g + lo, min(SGD_CHUNK, n - lo))
+    return bad
 
 
 cdef void _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssize_t hi,

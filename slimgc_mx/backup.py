@@ -304,8 +304,11 @@ class LocalUpdater:
         """True when the update runs as the SGD kernel."""
         return self._kernel is not None
 
-    def __call__(self, index, grad, glo, out):
-        """out <- glo after one local step with `grad` (all Buffers; glo is not written)."""
+    def __call__(self, index, grad, glo, out, check=None):
+        """out <- glo after one local step with `grad` (all Buffers; glo is not written).
+
+        `check` (a pipeline.GradCheck) is filled when the SGD kernel runs the step.
+        """
         opt = self.optimizer
         opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
         opt.rescale_grad = self._global.rescale_grad * self._num_workers
@@ -315,7 +318,7 @@ class LocalUpdater:
             opt._index_update_count[index] = glo_opt._index_update_count.get(
                 index, glo_opt.begin_num_update)
             if self._kernel is not None:
-                self._kernel.local_step(opt, index, grad, glo, out, self._engine)
+                self._kernel.local_step(opt, index, grad, glo, out, self._engine, check)
                 return
             if index in source.states:
                 self._updater.states[index] = _copy_state(source.states[index])

@@ -23,7 +23,7 @@ from . import agreement, codecs, sgd
 from .backup import LocalUpdater, ModelBackup, clone_optimizer
 from .config import SlimGCConfig
 from .fusion import FusedRoute
-from .pipeline import Job, KeyBuffers, Pipeline
+from .pipeline import GradCheck, Job, KeyBuffers, Pipeline
 from .threshold import CTTab, NEVER
 from .transport import FUSED_KEY_BASE, Buffer, EngineNotifier, copy_array, create_transport
 
@@ -215,13 +215,14 @@ class SlimGC(KVStoreBase):
         grad = _sum(grads)
         copy_array(grad, b.grad_buf.nd)
         local = backup.enabled and outs is not None
+        check = GradCheck() if local and bucket is None else None
         if local:
             backup.local_step(key, step, b.grad_buf, outs,
-                              partial(self._local_update_ready(), b.index))
+                              partial(self._local_update_ready(), b.index, check=check))
         opt = self._optimizer
         settings = (opt.lr, opt.wd, opt.rescale_grad, opt.param_dict)
         if bucket is None:
-            self._submit(key, b, step, grad, settings, local)
+            self._submit(key, b, step, grad, settings, local, check)
         elif bucket.add(key, b, step, local, settings):
             self._send_bucket(bucket)
         self._steps[key] = step + 1
@@ -239,10 +240,15 @@ class SlimGC(KVStoreBase):
         for o in outs:
             copy_array(b.agg.nd, o)
 
-    def _submit(self, key, b, step, grad, opt_settings, local):
+    def _submit(self, key, b, step, grad, opt_settings, local, check=None):
         compressed = b.codec is not None and self._cttab.compressed(b.nbytes, step)
         serial = self._cttab.phase == "warmup"
         job = Job(b, step, compressed, serial, ([(key, b, step, local)], opt_settings), key)
+        if compressed and not serial and b.device is None and check is not None \
+                and check.ready is not None:
+            # The local update (SGD kernel) counts NaN/Inf in grad_buf as it reads it:
+            # the encoder waits for it and skips its own pass over the gradient.
+            job.check = check
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
         # sum tile by tile inside its update: the aggregate never goes to memory.
         job.decode_in_update = (compressed and not serial and opt_settings is not None
@@ -260,8 +266,10 @@ class SlimGC(KVStoreBase):
             self._pipeline.submit(job)
         else:
             # Consume keys as their gradients become ready, not in a fixed order.
-            self._pipeline.submit(job, ready=(b.bit_send if job.compressed and b.device is not None
-                                              else b.grad_buf).nd)
+            ready = (job.check.ready if job.check is not None
+                     else (b.bit_send if job.compressed and b.device is not None
+                           else b.grad_buf).nd)
+            self._pipeline.submit(job, ready=ready)
 
     def _bucket(self, key):
         """The fused bucket `key` goes in, or None; builds the FusedRoute once routing is final.

@@ -82,11 +82,25 @@ class KeyBuffers:
         return 3 * self.index + 2
 
 
+class GradCheck:
+    """The local update's count of NaN/Inf in grad_buf, so that the encoder need not read
+    grad_buf a second time (its pre-check is a full pass over the gradient).
+
+    `ready`: the array the local update writes; `nonfinite` is set before it is readable.
+    """
+
+    __slots__ = ("ready", "nonfinite")
+
+    def __init__(self):
+        self.ready = None
+        self.nonfinite = None
+
+
 class Job:
     """One key's aggregation for one step."""
 
     __slots__ = ("buffers", "step", "compressed", "serial", "context", "key", "handle",
-                 "t_start", "t_comm", "t_proc", "nonfinite", "decode_in_update")
+                 "t_start", "t_comm", "t_proc", "nonfinite", "decode_in_update", "check")
 
     def __init__(self, buffers, step, compressed, serial=False, context=None, key=None):
         self.buffers = buffers  # a KeyBuffers, or a fusion.Bucket on the full-precision route
@@ -100,6 +114,7 @@ class Job:
         self.t_proc = 0.0
         self.nonfinite = False  # this worker's gradient held NaN/Inf: it sends NaN
         self.decode_in_update = False  # `finish` decodes bit_recv inside the optimizer step
+        self.check = None  # a GradCheck: submitted once its `ready` array is readable
 
 
 class Pipeline:
@@ -199,9 +214,13 @@ class Pipeline:
         else:
             grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
                                      b.bit_send.for_write())
+            checked = job.check is not None and job.check.nonfinite == 0
             t0 = time.perf_counter()
             try:
-                b.codec.encode(grad, residual, self.transport.num_workers, out=lanes)
+                if job.check is not None and job.check.nonfinite:
+                    raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
+                b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,
+                               grad_checked=checked)
             except NonFiniteGradientError:
                 lanes.fill(np.nan)
                 job.nonfinite = True

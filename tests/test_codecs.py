@@ -422,3 +422,21 @@ def test_non_finite_compensated_sum_raises(name, reference, poison):
             assert_same(r, r_before)
         else:
             assert "reset the residual" in str(exc.value)
+
+
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_grad_checked_skips_only_the_pre_check(name):
+    # The kvstore's local update counts NaN/Inf in the gradient; the encoder then skips
+    # its read-only pass. Finite gradients give the same lanes and residual; a NaN the
+    # caller missed is still found, while encoding, and the message says so.
+    rng = np.random.default_rng(8)
+    n = 3 * 65536 + 5
+    g, r = gradient(rng, n, -3, 0), gradient(rng, n, -3, -1)
+    a, b = codecs.create(name, num_threads=2), codecs.create(name, num_threads=2)
+    r1, r2 = r.copy(), r.copy()
+    assert_same(a.encode(g, r1, 2), b.encode(g, r2, 2, grad_checked=True))
+    assert_same(r1, r2)
+    g[n // 2] = np.nan
+    with pytest.raises(codecs.NonFiniteGradientError,
+                       match=r"grad\[%d\].*grad_checked=True.*reset the residual" % (n // 2)):
+        b.encode(g, r2, 2, grad_checked=True)

@@ -338,6 +338,47 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
         assert np.isfinite(after).all()
 
 
+def test_backup_local_update_checks_the_gradient_for_the_encoder():
+    """With backup and MXNet's SGD the local update counts NaN/Inf in grad_buf: the encoder
+    skips its own pass, and a NaN still fails every worker with the residual untouched."""
+    from slimgc_mx.pipeline import NonFiniteAggregateError
+
+    size = 3000
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
+                    backup=True, timeout=30)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        w = mx.nd.ones(size)
+        kv.broadcast(0, w, out=w)
+        b = kv._keys[0]
+        checked, encode = [], b.codec.encode
+        b.codec.encode = lambda *a, **k: (checked.append(k.get("grad_checked")), encode(*a, **k))[1]
+        grad = np.linspace(-1, 1, size).astype(np.float32) * (rank + 1)
+        kv.pushpull(0, mx.nd.array(grad), out=w)
+        kv.pushpull(0, mx.nd.array(grad), out=w)
+        kv._pipeline.wait_idle(30)
+        residual = b.residual.for_read().copy()
+        glo = kv._backup.glo_buf(0).asnumpy()
+        if rank == 1:
+            grad[7] = np.nan
+        kv.pushpull(0, mx.nd.array(grad), out=w)
+        with pytest.raises(PipelineError) as info:
+            kv.pushpull(0, mx.nd.ones(size), out=w)
+        after = (b.residual.for_read().copy(), kv._backup.glo_buf(0).asnumpy())
+        kv.close()
+        return checked, info.value, residual, glo, after
+
+    for rank, (checked, err, residual, glo, after) in enumerate(th.in_threads(2, worker)):
+        # Every encode skipped the pre-check; rank 1's NaN step never reached encode.
+        assert checked == [True] * (2 if rank == 1 else 3), checked
+        assert isinstance(err.__cause__, NonFiniteAggregateError)
+        assert ("own gradient did" if rank == 1 else "own gradient was finite") in str(err)
+        if rank == 1:  # its residual is untouched; rank 0 encoded its finite gradient
+            np.testing.assert_array_equal(after[0], residual)
+        np.testing.assert_array_equal(after[1], glo)
+
+
 @pytest.mark.parametrize("comm_threshold", ["off", 256])  # all compressed; biases fused
 def test_checkpoint_resume_is_bitwise_identical(tmp_path, comm_threshold):
     """2 workers, 2bit, backup on: stop after k steps, resume in new objects, same weights."""

@@ -39,6 +39,23 @@ def test_sgd_step_is_bitwise_mxnet_op(momentum, clip):
         np.testing.assert_array_equal(m3, m)
 
 
+def test_sgd_step_counts_non_finite_gradient_elements():
+    n = 200003  # several chunks, the last one partial
+    rng = np.random.RandomState(2)
+    w, g, m = (rng.randn(n).astype(np.float32) for _ in range(3))
+    bad = [0, 65535, 65536, 131000, n - 1]
+    for i, v in zip(bad, [np.nan, np.inf, -np.inf, np.nan, np.inf]):
+        g[i] = v
+    for threads in (1, 3):
+        out, counted = np.zeros_like(w), np.zeros_like(w)
+        assert kernels().sgd_step(w, g, m, None, out, 0.1, 0.0, 1.0, 0.9, -1.0, threads) == 0
+        assert kernels().sgd_step(w, g, m, None, counted, 0.1, 0.0, 1.0, 0.9, -1.0, threads,
+                                  True) == len(bad)
+        np.testing.assert_array_equal(counted, out)  # counting changes nothing else
+    clean = np.ones(n, np.float32)
+    assert kernels().sgd_step(w, clean, None, None, out, 0.1, 0.0, 1.0, 0.0, -1.0, 2, True) == 0
+
+
 def test_sgd_step_rejects_mismatched_buffers():
     a, b = np.zeros(4, np.float32), np.zeros(5, np.float32)
     with pytest.raises(ValueError, match="differ"):

@@ -259,13 +259,16 @@ class Codec:
         return m, _decode_rows(radix, m, float(scale), a, b, num_workers)
 
     # ------------------------------------------------------------ encode / decode
-    def encode(self, grad, residual, num_workers, out=None):
+    def encode(self, grad, residual, num_workers, out=None, grad_checked=False):
         """Compensate, quantize and pack: returns the lanes; `residual` is updated in place.
 
         grad, residual: 1-D C-contiguous float32 of equal length. NaN/Inf in grad raises
         NonFiniteGradientError before residual or out is touched (a read-only pass runs
         first); a non-finite grad + residual (float32 overflow, or a non-finite residual
         handed in) raises it too, found while encoding (see docs/codecs.md).
+        grad_checked=True: the caller has already found grad finite (the kvstore's local
+        update counts it), so the read-only pass is skipped; a non-finite grad is still
+        found, while encoding, after residual and out were written.
         """
         n_workers = check_num_workers(num_workers)
         radix, k = self.geometry(n_workers)
@@ -281,7 +284,7 @@ class Codec:
         else:
             check_vector("out", out, self.wire_dtype, writeable=True, length=n_lanes)
         _check_disjoint(grad=grad, residual=residual, out=out)
-        stat = self._encode_into(grad, residual, out, radix, k)
+        stat = self._encode_into(grad, residual, out, radix, k, grad_checked)
         if self.trailer_lanes:
             out[-1] = stat / size if size else 0.0
         return out
@@ -341,11 +344,11 @@ class Codec:
         """Update the shared state from the workers' mean trailer statistic."""
 
     # ------------------------------------------------------------ kernels (Cython)
-    def _encode_into(self, grad, residual, out, radix, k):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         """Fill out[:ceil(n/k)], update residual; return the trailer sum (or None).
 
-        Raises NonFiniteGradientError when grad holds NaN/Inf (having written nothing)
-        or when grad + residual is not finite.
+        Raises NonFiniteGradientError when grad holds NaN/Inf (having written nothing,
+        unless grad_checked) or when grad + residual is not finite.
         """
         raise NotImplementedError
 
@@ -368,15 +371,18 @@ class Codec:
 def raise_nonfinite(grad, residual, out=None):
     """Raise NonFiniteGradientError naming the first offending element (slow path only).
 
-    `out` given: the kernel found a non-finite grad + residual (grad itself finite)
-    while encoding, so residual and out were already written.
+    `out` given: the kernel found a non-finite grad + residual while encoding, so
+    residual and out were already written (grad itself is finite unless the caller
+    skipped the pre-check with grad_checked).
     """
     bad = np.flatnonzero(~np.isfinite(grad))
     if bad.size:
         i = int(bad[0])
         raise NonFiniteGradientError(
-            "grad[%d] = %r is not finite (%d non-finite elements); residual and out were not "
-            "modified" % (i, float(grad[i]), bad.size))
+            "grad[%d] = %r is not finite (%d non-finite elements); %s"
+            % (i, float(grad[i]), bad.size, "residual and out were not modified" if out is None
+               else "found while encoding (grad_checked=True), so residual and out were "
+               "updated: reset the residual (residual[:] = 0)"))
     if out is None:
         with np.errstate(over="ignore", invalid="ignore"):
             bad = np.flatnonzero(~np.isfinite(grad + residual))

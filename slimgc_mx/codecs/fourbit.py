@@ -73,9 +73,9 @@ class FourBit(Codec):
                              % (sorted(GROUPS), state.get("group")))
         self.group = int(state["group"])
 
-    def _encode_into(self, grad, residual, out, radix, k):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         thresholds, units = _KERNEL_ARGS[self.group]
         return self._kernel_result(
             kernels().encode_4bit(grad, residual, out, self._powers(radix, k), thresholds,
-                                  units, MAX_UNITS, self.num_threads),
+                                  units, MAX_UNITS, self.num_threads, grad_checked),
             grad, residual, out)

@@ -42,8 +42,8 @@ class OneBit(Codec):
             raise ValueError("1bit scale must be finite and >= 0, got %r" % (state["scale"],))
         self.scale = scale
 
-    def _encode_into(self, grad, residual, out, radix, k):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         return self._kernel_result(
             kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
-                                  np.float32(self.scale), self.num_threads),
+                                  np.float32(self.scale), self.num_threads, grad_checked),
             grad, residual, out)

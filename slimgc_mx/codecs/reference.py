@@ -23,7 +23,7 @@ class ReferenceMixin:
         """float64 per-element statistic whose mean is the trailer lane, or None."""
         return None
 
-    def _encode_into(self, grad, residual, out, radix, k):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         with np.errstate(over="ignore", invalid="ignore"):
             c = grad + residual
         if not np.isfinite(c).all():
@@ -53,7 +53,7 @@ class ReferenceMixin:
 
 
 class NoneReference(ReferenceMixin, NoneCodec):
-    def _encode_into(self, grad, residual, out, radix, k):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         with np.errstate(over="ignore", invalid="ignore"):
             c = grad + residual
         if not np.isfinite(c).all():

@@ -15,8 +15,8 @@ class TwoBit(Codec):
     def _affine(self):
         return float(np.float32(self._threshold)), 1, -1
 
-    def _encode_into(self, grad, residual, out, radix, k):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         return self._kernel_result(
             kernels().encode_2bit(grad, residual, out, self._powers(radix, k),
-                                  np.float32(self._threshold), self.num_threads),
+                                  np.float32(self._threshold), self.num_threads, grad_checked),
             grad, residual, out)
