@@ -562,11 +562,15 @@ cdef enum:
     SGD_CHUNK = 65536
 
 
-cdef void _sgd_chunk(const float* w, const float* g, const float* mom_in, float* mom_out,
-                     float* out, Py_ssize_t lo, Py_ssize_t hi, float lr, float wd,
-                     float rescale, float momentum, float clip) noexcept nogil:
+cdef Py_ssize_t _sgd_chunk(const float* w, const float* g, const float* mom_in,
+                           float* mom_out, float* out, Py_ssize_t lo, Py_ssize_t hi, float lr,
+                           float wd, float rescale, float momentum, float clip,
+                           bint count) noexcept nogil:
+    # Returns the number of NaN/Inf in g[lo:hi] when `count`, else 0. The local update's
+    # usual case (momentum read, not written; no clipping) counts in its own loop.
     cdef Py_ssize_t i
-    cdef float gr, m
+    cdef int bad = 0  # a chunk has at most SGD_CHUNK elements
+    cdef float gr, m, gi
     cdef float lr_wd = lr * wd
     cdef float decay = 1.0 - lr * wd
     cdef float lr_rescale = lr * rescale
@@ -590,9 +594,16 @@ cdef void _sgd_chunk(const float* w, const float* g, const float* mom_in, float*
             m = momentum * mom_in[i] - lr_wd * w[i] - lr_rescale * g[i]
             mom_out[i] = m
             out[i] = w[i] + m
+    elif count:
+        for i in range(lo, hi):
+            gi = g[i]
+            out[i] = w[i] + (momentum * mom_in[i] - lr_wd * w[i] - lr_rescale * gi)
+            bad += not (fabsf(gi) <= FLT_MAX)
+        return bad
     else:
         for i in range(lo, hi):
             out[i] = w[i] + (momentum * mom_in[i] - lr_wd * w[i] - lr_rescale * g[i])
+    return _count_bad(g + lo, hi - lo) if count else 0
 
 
 def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mom_in,
@@ -623,10 +634,8 @@ def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mo
     with nogil:
         for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
             lo = c * SGD_CHUNK
-            _sgd_chunk(w, g, mi, mo, o, lo, min(lo + SGD_CHUNK, n), lr, wd, rescale, momentum,
-                       clip)
-            if count_nonfinite:
-                bad += _count_bad(g + lo, min(SGD_CHUNK, n - lo))
+            bad += _sgd_chunk(w, g, mi, mo, o, lo, min(lo + SGD_CHUNK, n), lr, wd, rescale,
+                              momentum, clip, count_nonfinite)
     return bad
 
 
@@ -646,7 +655,7 @@ cdef void _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssi
         e0 = i * k
         mom_e0 = mom + e0 if mom != NULL else NULL
         _sgd_chunk(w + e0, tile, mom_e0, mom_e0, w + e0, 0, min(j * k, n) - e0, lr, wd,
-                   rescale, momentum, clip)
+                   rescale, momentum, clip, False)
         i = j
 
 
