@@ -336,7 +336,7 @@ cdef tuple _run(Job* job, int num_threads):
 
 
 cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
-              Py_ssize_t n_out, const uint64_t[::1] powers) except *:
+              Py_ssize_t n_out, const uint64_t[::1] powers, bint checked) except *:
     cdef Job job
     cdef Py_ssize_t j, k = powers.shape[0]
     job.mode = mode
@@ -355,7 +355,7 @@ cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
     job.units = NULL
     job.offset = 0
     job.param = 0.0
-    job.checked = False
+    job.checked = checked
     return job
 
 
@@ -371,9 +371,8 @@ def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
     Every encoder takes it.
     """
     cdef Job job = _job(MODE_2BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], powers)
+                        lanes.shape[0], powers, grad_checked)
     job.param = threshold
-    job.checked = grad_checked
     return _run(&job, num_threads)
 
 
@@ -382,9 +381,8 @@ def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 bint grad_checked=False):
     """1bit: q = (c >= 0), value scale * (2q - 1); returns (counts as 2bit, sum |c|)."""
     cdef Job job = _job(MODE_1BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], powers)
+                        lanes.shape[0], powers, grad_checked)
     job.param = scale
-    job.checked = grad_checked
     return _run(&job, num_threads)
 
 
@@ -402,11 +400,10 @@ def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
     if units[0] != 0 or min(units) < 0 or max(units) > offset:
         raise ValueError("encode_4bit: units must start at 0 and stay in 0..offset")
     cdef Job job = _job(MODE_4BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], powers)
+                        lanes.shape[0], powers, grad_checked)
     job.th = &thresholds[0]
     job.units = &units[0]
     job.offset = offset
-    job.checked = grad_checked
     return _run(&job, num_threads)
 
 
@@ -416,8 +413,7 @@ def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, in
     cdef uint64_t one[1]
     one[0] = 1
     cdef Job job = _job(MODE_NONE, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], <uint64_t[:1]>one)
-    job.checked = grad_checked
+                        lanes.shape[0], <uint64_t[:1]>one, grad_checked)
     return _run(&job, num_threads)
 
 
@@ -612,8 +608,10 @@ def sgd_step(const float[::1] weight, const float[::1] grad, const float[::1] mo
     """One SGD step: out (and mom_out) from weight, grad and mom_in; see the rule above.
 
     mom_in None: plain SGD. mom_out None: the momentum is read, not written. Returns the
-    number of NaN/Inf in grad with count_nonfinite (each chunk is counted while it is
-    still in cache, so the encoder need not read grad again), else 0.
+    number of NaN/Inf in grad with count_nonfinite, else 0: counted inside the update's
+    loop when the momentum is read and not written and there is no clipping (the local
+    update's usual case), otherwise in a second pass over each chunk while it is in
+    cache. Either way the encoder need not read grad again.
     """
     cdef Py_ssize_t n = weight.shape[0], c, n_chunks, lo, bad = 0
     if grad.shape[0] != n or out.shape[0] != n:

@@ -19,8 +19,9 @@ class NoneCodec(Codec):
         return 1.0, 1, 0
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
-        self._kernel_result(kernels().encode_none(grad, residual, out, self.num_threads, grad_checked),
-                            grad, residual, out)
+        self._kernel_result(
+            kernels().encode_none(grad, residual, out, self.num_threads, grad_checked),
+            grad, residual, out)
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         np.copyto(out, lanes_sum)
