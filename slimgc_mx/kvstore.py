@@ -215,7 +215,7 @@ class SlimGC(KVStoreBase):
         grad = _sum(grads)
         copy_array(grad, b.grad_buf.nd)
         local = backup.enabled and outs is not None
-        check = GradCheck() if local and bucket is None else None
+        check = GradCheck() if local and self._encodes_after_local_update(b, step) else None
         if local:
             backup.local_step(key, step, b.grad_buf, outs,
                               partial(self._local_update_ready(), b.index, check=check))
@@ -244,10 +244,7 @@ class SlimGC(KVStoreBase):
         compressed = b.codec is not None and self._cttab.compressed(b.nbytes, step)
         serial = self._cttab.phase == "warmup"
         job = Job(b, step, compressed, serial, ([(key, b, step, local)], opt_settings), key)
-        if compressed and not serial and b.device is None and check is not None \
-                and check.ready is not None:
-            # The local update (SGD kernel) counts NaN/Inf in grad_buf as it reads it:
-            # the encoder waits for it and skips its own pass over the gradient.
+        if check is not None and check.ready is not None:  # the SGD kernel ran the update
             job.check = check
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
         # sum tile by tile inside its update: the aggregate never goes to memory.
@@ -270,6 +267,15 @@ class SlimGC(KVStoreBase):
                      else (b.bit_send if job.compressed and b.device is not None
                            else b.grad_buf).nd)
             self._pipeline.submit(job, ready=ready)
+
+    def _encodes_after_local_update(self, b, step):
+        """True when the Cython encoder will encode this step of the key after warm-up.
+
+        Then the local update (SGD kernel) counts NaN/Inf in grad_buf as it reads it, and
+        the encoder waits for it and skips its own pass over the gradient (GradCheck).
+        """
+        return (b.codec is not None and b.device is None and self._cttab.phase != "warmup"
+                and self._cttab.compressed(b.nbytes, step))
 
     def _bucket(self, key):
         """The fused bucket `key` goes in, or None; builds the FusedRoute once routing is final.
