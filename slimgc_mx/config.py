@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 from . import codecs
 from .threshold import check_rule
+from .transport import PIECE_BYTES
 
 ENV_PREFIX = "SLIMGC_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -38,6 +39,8 @@ class SlimGCConfig:
     num_threads     CPU threads of the codecs and the SGD kernel (default: all cores)
     timeout         seconds the training thread waits for one aggregation before it raises
     audit_every     compare global-weight checksums across workers every K steps (0: off)
+    piece_bytes     dist transport: buffers larger than this go as pieces of this many bytes,
+                    so the sums of the first pieces come back while later ones are pushed (0: whole)
     """
 
     compressor: str = "2bit"
@@ -53,6 +56,7 @@ class SlimGCConfig:
     num_threads: Optional[int] = None
     timeout: float = 600.0
     audit_every: int = 0
+    piece_bytes: int = PIECE_BYTES
 
     def __post_init__(self):
         self.validate()
@@ -113,12 +117,17 @@ class SlimGCConfig:
                              % (threading.TIMEOUT_MAX, self.timeout))
         if not isinstance(self.audit_every, int) or self.audit_every < 0:
             raise ValueError("audit_every must be an integer >= 0, got %r" % (self.audit_every,))
+        if (isinstance(self.piece_bytes, bool) or not isinstance(self.piece_bytes, int)
+                or not (self.piece_bytes == 0 or self.piece_bytes >= 8)):
+            raise ValueError("piece_bytes must be 0 (send buffers whole) or an integer >= 8 "
+                             "bytes, got %r" % (self.piece_bytes,))
 
     def agreement_fields(self):
         """The settings that must be identical on every worker."""
         return {"compressor": self.compressor, "threshold": float(self.threshold),
                 "comm_threshold": self.comm_threshold, "warmup_steps": self.warmup_steps,
-                "backup": self.backup, "offload": self.offload, "fuse": self.fuse}
+                "backup": self.backup, "offload": self.offload, "fuse": self.fuse,
+                "piece_bytes": self.piece_bytes}
 
 
 # Trainer's compression_params follows MXNet's {'type': '2bit', 'threshold': 0.5}.
@@ -153,7 +162,7 @@ def _parse(name, raw, where):
             raise ValueError
         if name in ("threshold", "timeout", "loc_lr"):
             return float(raw)
-        if name in ("warmup_steps", "num_threads", "audit_every"):
+        if name in ("warmup_steps", "num_threads", "audit_every", "piece_bytes"):
             return int(raw)
         if name == "comm_threshold":
             return raw.lower() if raw.lower() in ("auto", "off") else int(raw)
@@ -167,4 +176,5 @@ _BOOL = "1/0, true/false, yes/no or on/off"
 _EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
              "threshold": "a number", "timeout": "a number of seconds", "loc_lr": "a number",
              "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
+             "piece_bytes": "an integer number of bytes",
              "comm_threshold": "'auto', 'off' or a size in bytes"}

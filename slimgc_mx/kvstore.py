@@ -103,7 +103,8 @@ class SlimGC(KVStoreBase):
     # -- keys ------------------------------------------------------------------------------
     def _ensure_transport(self):
         if self._transport is None:
-            self._transport = create_transport(timeout=self.config.timeout)
+            self._transport = create_transport(timeout=self.config.timeout,
+                                               piece_bytes=self.config.piece_bytes)
         return self._transport
 
     def _start(self):
@@ -503,7 +504,8 @@ class SlimGC(KVStoreBase):
         for global weights (the communication that was not hidden); cttab_rule and
         cttab_link: how BestCT was read and the link fitted to the warm-up;
         fused_keys / fused_buckets: full-precision keys sent together, in how many
-        transfers per step (a bucket counts once in `transfers`).
+        transfers per step (a bucket counts once in `transfers`); wire_pieces: wire keys
+        of the pieces that large buffers travel as (a transfer counts once).
         """
         best = self._cttab.best_ct if self._cttab is not None else None
         c = self._counters
@@ -524,6 +526,7 @@ class SlimGC(KVStoreBase):
             "cttab_link": self._cttab.link_report() if self._cttab else None,
             "fused_keys": len(self._fused.keys) if self._fused is not None else 0,
             "fused_buckets": len(self._fused.buckets) if self._fused is not None else 0,
+            "wire_pieces": self._transport.pieces_declared if self._transport else 0,
         }
 
     @property

@@ -47,6 +47,7 @@ class Buffer:
         size = int(np.prod(shape))
         self._np = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(_CTYPES[dtype])),
                                          shape=(size,))
+        self._pieces = {}
 
     def view(self, offset, shape):
         """A Buffer over elements [offset, offset + prod(shape)) of this one, sharing its memory.
@@ -61,7 +62,23 @@ class Buffer:
         view = Buffer.__new__(Buffer)
         view.nd = self.nd.reshape(-1)[offset:offset + size].reshape(shape)
         view._np = self._np[offset:offset + size]
+        view._pieces = {}
         return view
+
+    def pieces(self, bounds):
+        """One NDArray per (lo, hi) in `bounds` over elements [lo, hi) of this buffer's memory.
+
+        Unlike a view, each piece has its own engine variable, so an operator on one
+        piece does not wait for another. The engine does not order them against `nd`
+        either: callers wait on `nd` first (for_read / for_write). Made once per bounds.
+        """
+        key = tuple(bounds)
+        arrays = self._pieces.get(key)
+        if arrays is None:
+            # from_numpy marks the slice it wraps read-only; the slices are private here.
+            arrays = [mx.nd.from_numpy(self._np[lo:hi], zero_copy=True) for lo, hi in key]
+            self._pieces[key] = arrays
+        return arrays
 
     @property
     def nbytes(self):
@@ -256,6 +273,18 @@ class Handle:
         self._recv.nd.wait_to_read()
 
 
+class _PiecesHandle(Handle):
+    """A transfer sent as pieces: done once every piece of `recv` has its sum."""
+
+    def __init__(self, recv, pieces):
+        super().__init__(recv)
+        self._pieces = pieces
+
+    def wait(self):
+        for nd in self._pieces:
+            nd.wait_to_read()
+
+
 def _wait_nd(nd, timeout):
     """Block until `nd` is readable, or raise TransportTimeout after `timeout` seconds.
 
@@ -292,6 +321,7 @@ class Transport:
     kind = "abstract"
     timeout = None
     bigarray_bound = None  # elements from which MXNet splits an array over all servers
+    pieces_declared = 0  # wire keys made by splitting declared buffers into pieces
 
     def declare(self, wire_key, buf):
         """Create `wire_key` with the shape and dtype of `buf` (collective)."""
@@ -337,13 +367,31 @@ class LocalTransport(Transport):
 
 
 # Key bands. Per-key wire keys (3 * index + 0..2) live below _CONTROL_KEY_BASE; above it
-# sit the allgather keys, the precision probe and the fused buckets (fusion.py).
+# sit the allgather keys, the precision probe, the fused buckets (fusion.py) and the
+# pieces of large buffers.
 # MXNet picks a small key's server as (key * 9973) % S in 32-bit int arithmetic, which
 # stays positive only for keys below 2**31 / 9973 (about 215000) and for keys in
 # [2**30, 2**30 + 107000): every band must stay inside those.
 _CONTROL_KEY_BASE = 1 << 30
 _PROBE_KEY_BASE = _CONTROL_KEY_BASE + 4096
 FUSED_KEY_BASE = _CONTROL_KEY_BASE + 16384
+_PIECE_KEY_BASE = _CONTROL_KEY_BASE + 32768
+_PIECE_KEY_END = _CONTROL_KEY_BASE + 107000
+
+# A buffer larger than this travels as pieces of at most this many bytes, each its own
+# wire key (SLIMGC_PIECE_BYTES; 0: whole). MXNet's dist_sync answers a pull only after
+# every worker's push of that key, so a whole key's sum comes back only once all of it
+# was pushed; with pieces the first sums flow back while later pieces are still pushed,
+# and a worker's link carries both directions at once.
+PIECE_BYTES = 1 << 20
+
+
+def piece_bounds(size, itemsize, piece_bytes):
+    """[(lo, hi), ...] element ranges of at most piece_bytes each, or None for one piece."""
+    per = max(1, piece_bytes // itemsize) if piece_bytes else size
+    if size <= per:
+        return None
+    return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
 
 
 # MXNet splits an array evenly over all servers only from MXNET_KVSTORE_BIGARRAY_BOUND
@@ -377,7 +425,7 @@ class DistTransport(Transport):
 
     kind = "dist_sync"
 
-    def __init__(self, timeout=None):
+    def __init__(self, timeout=None, piece_bytes=PIECE_BYTES):
         # Read by MXNet when the kvstore is created; a value the user set stays.
         os.environ.setdefault("MXNET_KVSTORE_BIGARRAY_BOUND", str(BIGARRAY_BOUND))
         self.bigarray_bound = _bigarray_bound(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
@@ -386,21 +434,58 @@ class DistTransport(Transport):
         self.num_workers = self._kv.num_workers
         self.num_servers = max(1, int(os.environ.get("DMLC_NUM_SERVER", "1")))
         self.timeout = timeout
+        self.piece_bytes = piece_bytes
         self._gather_keys = {}
+        self._pieces = {}  # wire key -> (piece wire keys, element bounds)
 
     def declare(self, wire_key, buf):
-        if _CONTROL_KEY_BASE <= wire_key < FUSED_KEY_BASE:
-            raise ValueError("wire key %d collides with control keys" % wire_key)
-        self._kv.init(wire_key, buf.nd)
+        if _CONTROL_KEY_BASE <= wire_key < FUSED_KEY_BASE or wire_key >= _PIECE_KEY_BASE:
+            raise ValueError("wire key %d collides with control or piece keys" % wire_key)
+        bounds = piece_bounds(buf.nd.size, np.dtype(buf.nd.dtype).itemsize, self.piece_bytes)
+        if bounds is None:
+            self._kv.init(wire_key, buf.nd)
+            return
+        first = _PIECE_KEY_BASE + self.pieces_declared
+        if first + len(bounds) > _PIECE_KEY_END:
+            raise ValueError(
+                "%d more pieces of %d bytes do not fit the %d piece keys MXNet can place: "
+                "raise piece_bytes (SLIMGC_PIECE_BYTES) or set it to 0 to send buffers whole"
+                % (len(bounds), self.piece_bytes, _PIECE_KEY_END - _PIECE_KEY_BASE))
+        keys = list(range(first, first + len(bounds)))
+        self.pieces_declared += len(bounds)
+        buf.for_read()  # the pieces' engine variables do not see pending writes of buf.nd
+        self._kv.init(keys, buf.pieces(bounds))
+        self._pieces[wire_key] = (keys, bounds)
 
     def push_pull(self, wire_key, send, recv):
-        self._kv.push(wire_key, send.nd)
-        self._kv.pull(wire_key, out=recv.nd)
-        return Handle(recv)
+        split = self._pieces.get(wire_key)
+        if split is None:
+            self._kv.push(wire_key, send.nd)
+            self._kv.pull(wire_key, out=recv.nd)
+            return Handle(recv)
+        keys, bounds = split
+        # MXNet pulls each sum into the pushed array itself before copying it to `recv`,
+        # so both buffers are written: wait for the engine's pending access to either.
+        send.for_write()
+        recv.for_write()
+        sends, recvs = send.pieces(bounds), recv.pieces(bounds)
+        for key, s, r in zip(keys, sends, recvs):
+            self._kv.push(key, s)
+            self._kv.pull(key, out=r)
+        return _PiecesHandle(recv, recvs)
 
     def broadcast(self, wire_key, buf):
-        self._kv.pull(wire_key, out=buf.nd)
-        _wait_nd(buf.nd, self.timeout)
+        split = self._pieces.get(wire_key)
+        if split is None:
+            self._kv.pull(wire_key, out=buf.nd)
+            _wait_nd(buf.nd, self.timeout)
+            return
+        keys, bounds = split
+        buf.for_write()
+        pieces = buf.pieces(bounds)
+        self._kv.pull(keys, out=pieces)
+        for nd in pieces:
+            _wait_nd(nd, self.timeout)
 
     def allgather(self, values):
         values = np.asarray(values, dtype=np.float64).ravel()
@@ -556,8 +641,8 @@ class _ThreadTransport(Transport):
         return self._group._sum(key, self._next_round(key), slots)
 
 
-def create_transport(timeout=None):
+def create_transport(timeout=None, piece_bytes=PIECE_BYTES):
     """MXNet dist_sync when this process was launched as a worker, else in-process."""
     if os.environ.get("DMLC_ROLE") == "worker" and os.environ.get("DMLC_NUM_WORKER"):
-        return DistTransport(timeout=timeout)
+        return DistTransport(timeout=timeout, piece_bytes=piece_bytes)
     return LocalTransport()

@@ -18,6 +18,9 @@ def test_environment_then_options_precedence():
     assert cfg.backup is False and cfg.comm_threshold == 4096 and cfg.fuse is False
     assert cfg.agreement_fields()["fuse"] is False  # every worker must build the same buckets
     assert cfg.num_threads == 2 and cfg.timeout == 30.0
+    pieces = SlimGCConfig.from_sources({}, environ={"SLIMGC_PIECE_BYTES": "65536"})
+    assert pieces.piece_bytes == 65536
+    assert pieces.agreement_fields()["piece_bytes"] == 65536  # it names the wire keys
 
 
 def test_trainer_compression_params_style():
@@ -42,6 +45,9 @@ def test_trainer_compression_params_style():
     ({"backup": 1}, "backup must be True or False, got 1"),
     ({"offload": None}, "offload must be True or False, got None"),
     ({"fuse": [True]}, r"fuse must be True or False, got \[True\]"),
+    ({"piece_bytes": 4}, "piece_bytes must be 0 (send buffers whole) or an integer >= 8"),
+    ({"piece_bytes": 1.5}, "piece_bytes must be 0 (send buffers whole) or an integer >= 8"),
+    ({"piece_bytes": "1MB"}, "for option 'piece_bytes': expected an integer number of bytes"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -21,18 +21,23 @@ def _launch(workers, servers, command, timeout, options=()):
     return proc
 
 
-def _job(tmp_path, name, *args):
+def _job(tmp_path, name, *args, options=()):
     out = tmp_path / name
-    _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out)] + list(args), 180)
+    _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out)] + list(args), 180,
+            options)
     ranks = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
     weights = [dict(np.load(out / ("weights_rank%d.npz" % r))) for r in range(2)]
     return ranks, weights
 
 
-def test_none_without_backup_follows_mxnet_dist_sync(tmp_path):
+@pytest.mark.parametrize("piece_bytes", [None, 1024])
+def test_none_without_backup_follows_mxnet_dist_sync(tmp_path, piece_bytes):
+    # With 1 KiB pieces the 8 KiB weight, its fused bucket and the broadcast of the initial
+    # weights all travel as pieces under their own wire keys.
     _, ref = _job(tmp_path, "dist_sync", "--kvstore", "dist_sync", "--steps", "20")
+    options = [] if piece_bytes is None else ["--env", "SLIMGC_PIECE_BYTES:%d" % piece_bytes]
     info, ours = _job(tmp_path, "slimgc", "--kvstore", "slimgc", "--compressor", "none",
-                      "--no-backup", "--steps", "20")
+                      "--no-backup", "--steps", "20", options=options)
     assert info[0]["sha256"] == info[1]["sha256"]
     assert info[0]["bigarray_bound"] == BIGARRAY_BOUND  # set before MXNet's kvstore read it
     for name in ref[0]:
@@ -41,6 +46,9 @@ def test_none_without_backup_follows_mxnet_dist_sync(tmp_path):
     stats = info[0]["stats"]
     assert (stats["fused_keys"], stats["fused_buckets"]) == (4, 2)
     assert stats["transfers"] == 4 + 2 * 19
+    # none of these buffers reaches the default 1 MiB; at 1 KiB the 64x32 weight alone
+    # (fp route and broadcast, 8 KiB each) makes 16 pieces
+    assert (stats["wire_pieces"] == 0) if piece_bytes is None else stats["wire_pieces"] >= 16
 
 
 def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):
@@ -55,19 +63,23 @@ def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):
     assert stats["bytes_fp32"] > 0
 
 
-@pytest.mark.parametrize("bound", [None, 32])
-def test_servers_sum_packed_lanes_exactly(tmp_path, bound):
+@pytest.mark.parametrize("bound, piece_bytes", [(None, None), (32, None), (None, 128)])
+def test_servers_sum_packed_lanes_exactly(tmp_path, bound, piece_bytes):
     # The server's float64 sum of the workers' lanes must be exact: a float32 sum (MXNet 1.9.1
     # servers whose multi_precision_ flag starts set) changes the decoded levels silently.
     # With a bound of 32 elements MXNet splits the first layer's ~94 lanes over both servers
-    # and sends the second layer's ~30 whole: both placements must sum exactly.
+    # and sends the second layer's ~30 whole; with 128-byte pieces every layer's lanes go as
+    # pieces of 16 lanes on alternating servers: every placement must sum exactly.
     out = tmp_path / "lanes"
     options = [] if bound is None else ["--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % bound]
+    if piece_bytes is not None:
+        options += ["--env", "SLIMGC_PIECE_BYTES:%d" % piece_bytes]
     _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor", "2bit",
                    "--comm-threshold", "off", "--steps", "6", "--record-lanes"], 180, options)
     info = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
     assert [i["bigarray_bound"] for i in info] == [bound or BIGARRAY_BOUND] * 2
     assert info[0]["sha256"] == info[1]["sha256"]
+    assert (info[0]["stats"]["wire_pieces"] > 0) == (piece_bytes is not None)
     lanes = [dict(np.load(out / ("lanes_rank%d.npz" % r))) for r in range(2)]
     sums = [name for name in lanes[0] if name.startswith("sum_")]
     assert len(sums) >= 2 * 6  # both weight tensors, every step
