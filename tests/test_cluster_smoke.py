@@ -163,7 +163,10 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
             "--dataset", "mnist1d", "--workers", "2", "--bandwidth", "100mbit",
             "--steps", "4", "--warmup", "6", "--slimgc-warmup", "4",
             "--configs", "fp32,slimgc-2bit-full", "--linger", "3", "--out", str(out)]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # 4 KiB pieces: SlimGC's full-precision weights cross the namespaces' links as pieces
+    env = {**os.environ, "SLIMGC_PIECE_BYTES": "4096"}
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=240)
     finally:
@@ -171,6 +174,7 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["netns"] is True and summary["bandwidth"] == "100mbit"
+    assert summary["slimgc_environment"]["SLIMGC_PIECE_BYTES"] == "4096"
     by = {r["config"]: r for r in summary["results"]}
     assert all(r["ok"] for r in by.values()), by
     # Bytes come from the interfaces: fp32 moves the gradient up and the weights down

@@ -741,12 +741,19 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
               "delay": opts.delay if use_netns else None, "netns": use_netns, "note": netns_note,
               "steps": opts.steps, "warmup": opts.warmup, "slimgc_warmup_steps": opts.slimgc_warmup,
               "batch_size": opts.batch_size, "threads": opts.threads,
+              # SLIMGC_* options every process inherits from the caller (the warm-up steps
+              # are slimgc_warmup_steps: the harness sets them per process)
+              "slimgc_environment": {k: v for k, v in sorted(os.environ.items())
+                                     if k.startswith("SLIMGC_")},
               "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print("cluster bench: %s on %s, %d workers + %d servers, OMP_NUM_THREADS=%d, %s -> %s"
           % (opts.model, opts.dataset, opts.workers, opts.servers, opts.threads,
              ("netns, %s%s" % (opts.bandwidth or "unlimited",
                                ", delay %s" % opts.delay if opts.delay else ""))
              if use_netns else "loopback", opts.out), flush=True)
+    if header["slimgc_environment"]:
+        print("  every process inherits " + " ".join(
+            "%s=%s" % kv for kv in header["slimgc_environment"].items()), flush=True)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
