@@ -207,6 +207,13 @@ def omp_threads(num_workers: int, cpus: Optional[int] = None) -> int:
     return max(1, (cpus or available_cpus()) // max(1, num_workers))
 
 
+# MXNet's engine runs CPU operators on MXNET_CPU_WORKER_NTHREADS threads (default 1).
+# With one, a worker's transfers (the kvstore's push and pull operators) and SlimGC's
+# copies wait behind every forward and backward operator queued before them; a second
+# thread lets them start while compute runs (docs/launcher.md).
+WORKER_ENGINE_THREADS = 2
+
+
 def describe_status(code: int) -> str:
     """'exited with code 3' or 'was killed by signal SIGKILL (9)' for a Popen returncode."""
     if code < 0:
@@ -242,6 +249,14 @@ def build_plan(args) -> List[Task]:
     per_role = {"server": {**SERVER_ENV, **parse_env_items(args.env_server, "--env-server")},
                 "worker": parse_env_items(args.env_worker, "--env-worker"),
                 "scheduler": {}}
+
+    engine = "MXNET_CPU_WORKER_NTHREADS"
+    if engine not in user_env and engine not in per_role["worker"] and (
+            args.launcher != "local" or engine not in os.environ):
+        per_role["worker"][engine] = str(WORKER_ENGINE_THREADS)
+        log.info("%s=%d for every worker: transfers need not wait behind compute in MXNet's "
+                 "engine (--env-worker %s:N sets another value)", engine, WORKER_ENGINE_THREADS,
+                 engine)
 
     local = LocalRunner()
     if args.launcher == "local":
@@ -508,7 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "each running the same COMMAND with DMLC_ROLE etc. set. Output lines are "
                     "prefixed [scheduler], [server I], [worker I] (launch index; MXNet's kv.rank "
                     "may differ). Local mode sets OMP_NUM_THREADS to CPUs // workers (at least 1) "
-                    "unless this shell or --env sets it. Exit status: the workers' (0 when all "
+                    "unless this shell or --env sets it. Workers get MXNET_CPU_WORKER_NTHREADS=2 "
+                    "(MXNet's engine threads) unless --env, --env-worker or, in local mode, "
+                    "this shell sets it. Exit status: the workers' (0 when all "
                     "succeed), 128+N when a process is killed by signal N, 2 for usage errors, "
                     "127 when COMMAND cannot start.",
         epilog="examples:\n"

@@ -212,6 +212,23 @@ def test_local_processes_share_the_cores_unless_told_otherwise(monkeypatch, tmp_
     assert not any("OMP_NUM_THREADS" in t.env for t in plan)
 
 
+def test_workers_get_two_engine_threads_unless_told_otherwise(monkeypatch, tmp_path):
+    name = "MXNET_CPU_WORKER_NTHREADS"
+    monkeypatch.delenv(name, raising=False)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h0\n")
+    for mode in ([], ["-H", str(hostfile)]):  # the thread count does not depend on the host
+        plan = launch.build_plan(launch.parse_args(["-n", "2"] + mode + ["true"]))
+        assert {t.role: t.env.get(name) for t in plan} == {
+            "scheduler": None, "server": None, "worker": str(launch.WORKER_ENGINE_THREADS)}
+    for option in (["--env", name + ":1"], ["--env-worker", name + ":3"]):
+        plan = launch.build_plan(launch.parse_args(["-n", "2"] + option + ["true"]))
+        assert {t.env[name] for t in plan if t.role == "worker"} == {option[1][-1]}
+    monkeypatch.setenv(name, "4")  # the shell's value reaches local processes
+    plan = launch.build_plan(launch.parse_args(["-n", "2", "true"]))
+    assert not any(name in t.env for t in plan)
+
+
 def test_servers_default_to_workers_and_round_robin_plan(tmp_path):
     args = launch.parse_args(["-n", "3", "true"])
     assert (args.num_servers, args.launcher) == (3, "local")
