@@ -420,6 +420,24 @@ def _probe_values(rank):
     return np.array([2.0 ** 48 + 2 * rank + 1, 2.0 ** 30 + rank, 1.0], dtype=np.float64)
 
 
+def engine_threads_warning(environ):
+    """A warning when MXNet's engine has one CPU worker thread (its default), else None.
+
+    Then the kvstore's push and pull operators, and SlimGC's copies, wait behind every
+    forward and backward operator queued before them, and pieces cannot overlap.
+    """
+    raw = environ.get("MXNET_CPU_WORKER_NTHREADS", "1")
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 1
+    if threads >= 2:
+        return None
+    return ("MXNET_CPU_WORKER_NTHREADS=%s: MXNet's engine has one CPU worker thread, so "
+            "transfers wait behind compute; start workers with MXNET_CPU_WORKER_NTHREADS=2 "
+            "(python -m slimgc_mx.launch does)" % raw)
+
+
 class DistTransport(Transport):
     """MXNet's native dist_sync kvstore: stock servers sum what the workers push."""
 
@@ -435,6 +453,9 @@ class DistTransport(Transport):
         self.num_servers = max(1, int(os.environ.get("DMLC_NUM_SERVER", "1")))
         self.timeout = timeout
         self.piece_bytes = piece_bytes
+        warning = engine_threads_warning(os.environ)
+        if warning and self.rank == 0:
+            log.warning("slimgc: %s", warning)
         self._gather_keys = {}
         self._pieces = {}  # wire key -> (piece wire keys, element bounds)
 

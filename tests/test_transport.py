@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from slimgc_mx import transport as tr
-from slimgc_mx.transport import Buffer, DistTransport, piece_bounds
+from slimgc_mx.transport import Buffer, DistTransport, engine_threads_warning, piece_bounds
 
 
 @pytest.mark.parametrize("size, itemsize, piece_bytes", [
@@ -101,3 +101,9 @@ def test_piece_keys_are_bounded_and_cannot_be_declared_directly(monkeypatch):
     t.declare(1, Buffer((4,), np.float64))
     with pytest.raises(ValueError, match=r"raise piece_bytes \(SLIMGC_PIECE_BYTES\) or set it to 0"):
         t.declare(2, Buffer((4,), np.float64))
+
+
+def test_one_engine_thread_is_warned_about_with_the_fix():
+    for environ in ({}, {"MXNET_CPU_WORKER_NTHREADS": "1"}, {"MXNET_CPU_WORKER_NTHREADS": "x"}):
+        assert "start workers with MXNET_CPU_WORKER_NTHREADS=2" in engine_threads_warning(environ)
+    assert engine_threads_warning({"MXNET_CPU_WORKER_NTHREADS": "2"}) is None
