@@ -50,6 +50,23 @@ def test_every_process_gets_the_same_openmp_threads(monkeypatch):
         cluster.parse_args(argv, "x")
 
 
+def test_every_worker_gets_the_launchers_engine_threads(monkeypatch):
+    monkeypatch.delenv(cluster.ENGINE_THREADS, raising=False)
+    argv = ["--model", "fc", "--workers", "2", "--configs", "fp32"]
+    assert cluster.parse_args(argv, "x").engine_threads == launch.WORKER_ENGINE_THREADS
+    for comm in (True, False):  # the baselines, SlimGC and no-comm alike
+        plan = cluster.build_tasks(None, 2, 2, ["true"], comm)
+        assert {t.env.get(cluster.ENGINE_THREADS) for t in plan if t.role == "worker"} == {
+            str(launch.WORKER_ENGINE_THREADS)}
+    monkeypatch.setenv(cluster.ENGINE_THREADS, "3")  # the caller's value reaches every process
+    assert cluster.parse_args(argv, "x").engine_threads == 3
+    assert not any(cluster.ENGINE_THREADS in t.env
+                   for t in cluster.build_tasks(None, 2, 2, ["true"], False))
+    monkeypatch.setenv(cluster.ENGINE_THREADS, "two")
+    with pytest.raises(SystemExit):
+        cluster.parse_args(argv, "x")
+
+
 def test_time_composition_adds_up():
     rec = {"step_s": {"median": 1.0},
            "wire_bytes_per_step_per_worker": {"tx": 50e6, "rx": 25e6, "total": 75e6},
@@ -163,8 +180,9 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
             "--dataset", "mnist1d", "--workers", "2", "--bandwidth", "100mbit",
             "--steps", "4", "--warmup", "6", "--slimgc-warmup", "4",
             "--configs", "fp32,slimgc-2bit-full", "--linger", "3", "--out", str(out)]
-    # 4 KiB pieces: SlimGC's full-precision weights cross the namespaces' links as pieces
-    env = {**os.environ, "SLIMGC_PIECE_BYTES": "4096"}
+    # An option in the caller's environment reaches the processes and the summary (the
+    # default piece size: this model's buffers travel whole; test_distributed sends pieces)
+    env = {**os.environ, "SLIMGC_PIECE_BYTES": "1048576"}
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     try:
@@ -174,7 +192,7 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["netns"] is True and summary["bandwidth"] == "100mbit"
-    assert summary["slimgc_environment"]["SLIMGC_PIECE_BYTES"] == "4096"
+    assert summary["slimgc_environment"]["SLIMGC_PIECE_BYTES"] == "1048576"
     by = {r["config"]: r for r in summary["results"]}
     assert all(r["ok"] for r in by.values()), by
     # Bytes come from the interfaces: fp32 moves the gradient up and the weights down

@@ -365,6 +365,11 @@ def _output_to(path):
         f.close()
 
 
+# Every worker of every configuration gets the launcher's engine threads (or the
+# caller's value): the baselines and no-comm run with what SlimGC's workers get.
+ENGINE_THREADS = "MXNET_CPU_WORKER_NTHREADS"
+
+
 def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
                 command: List[str], comm: bool, stock_servers: bool = False) -> List[launch.Task]:
     """The launcher's plan, moved into the namespaces (or left on loopback without cluster).
@@ -386,6 +391,9 @@ def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
         plan = [launch.Task("worker", i, None, launch.LocalRunner(),
                             {"PYTHONUNBUFFERED": "1", "SLIMGC_LAUNCH_INDEX": str(i)})
                 for i in range(workers)]
+        if ENGINE_THREADS not in os.environ:  # the launcher's engine threads, as the others get
+            for t in plan:
+                t.env[ENGINE_THREADS] = str(launch.WORKER_ENGINE_THREADS)
     if cluster is None:
         return plan
     runner = NetnsRunner()
@@ -688,6 +696,12 @@ def parse_args(argv, prog):
             p.error(str(e))
         if opts.threads is None:
             opts.threads = launch.omp_threads(opts.workers)
+    try:
+        opts.engine_threads = (env_count(ENGINE_THREADS, "unset it to give workers %d"
+                                         % launch.WORKER_ENGINE_THREADS)
+                               or launch.WORKER_ENGINE_THREADS)
+    except ValueError as e:
+        p.error(str(e))
     if (opts.mode == "throughput" and any(c.startswith("slimgc") for c in opts.config_list)
             and opts.warmup < opts.slimgc_warmup + 2):
         p.error("--warmup must be at least --slimgc-warmup + 2 so the window starts after the "
@@ -741,13 +755,16 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
               "delay": opts.delay if use_netns else None, "netns": use_netns, "note": netns_note,
               "steps": opts.steps, "warmup": opts.warmup, "slimgc_warmup_steps": opts.slimgc_warmup,
               "batch_size": opts.batch_size, "threads": opts.threads,
+              "worker_engine_threads": opts.engine_threads,
               # SLIMGC_* options every process inherits from the caller (the warm-up steps
               # are slimgc_warmup_steps: the harness sets them per process)
               "slimgc_environment": {k: v for k, v in sorted(os.environ.items())
                                      if k.startswith("SLIMGC_")},
               "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print("cluster bench: %s on %s, %d workers + %d servers, OMP_NUM_THREADS=%d, %s -> %s"
+    print("cluster bench: %s on %s, %d workers + %d servers, OMP_NUM_THREADS=%d, "
+          "MXNET_CPU_WORKER_NTHREADS=%d (workers), %s -> %s"
           % (opts.model, opts.dataset, opts.workers, opts.servers, opts.threads,
+             header["worker_engine_threads"],
              ("netns, %s%s" % (opts.bandwidth or "unlimited",
                                ", delay %s" % opts.delay if opts.delay else ""))
              if use_netns else "loopback", opts.out), flush=True)
