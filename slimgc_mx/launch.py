@@ -211,6 +211,7 @@ def omp_threads(num_workers: int, cpus: Optional[int] = None) -> int:
 # With one, a worker's transfers (the kvstore's push and pull operators) and SlimGC's
 # copies wait behind every forward and backward operator queued before them; a second
 # thread lets them start while compute runs (docs/launcher.md).
+ENGINE_THREADS_VAR = "MXNET_CPU_WORKER_NTHREADS"
 WORKER_ENGINE_THREADS = 2
 
 
@@ -250,7 +251,7 @@ def build_plan(args) -> List[Task]:
                 "worker": parse_env_items(args.env_worker, "--env-worker"),
                 "scheduler": {}}
 
-    engine = "MXNET_CPU_WORKER_NTHREADS"
+    engine = ENGINE_THREADS_VAR
     if engine not in user_env and engine not in per_role["worker"] and (
             args.launcher != "local" or engine not in os.environ):
         per_role["worker"][engine] = str(WORKER_ENGINE_THREADS)

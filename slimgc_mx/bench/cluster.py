@@ -367,7 +367,7 @@ def _output_to(path):
 
 # Every worker of every configuration gets the launcher's engine threads (or the
 # caller's value): the baselines and no-comm run with what SlimGC's workers get.
-ENGINE_THREADS = "MXNET_CPU_WORKER_NTHREADS"
+ENGINE_THREADS = launch.ENGINE_THREADS_VAR
 
 
 def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
