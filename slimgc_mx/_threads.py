@@ -16,12 +16,13 @@ def available_cpus():
         return os.cpu_count() or 1
 
 
-def env_count(name, unset_hint):
-    """The integer >= 1 in environment variable `name`, None when unset or blank.
+def env_count(name, unset_hint, environ=None):
+    """The integer >= 1 in environment variable `name` (of `environ`, default os.environ),
+    None when unset or blank.
 
     Anything else raises ValueError naming the variable, followed by `unset_hint`.
     """
-    raw = os.environ.get(name, "").strip()
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
     if not raw:
         return None
     if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):

@@ -14,6 +14,8 @@ import mxnet as mx
 import numpy as np
 from mxnet.base import _LIB, NDArrayHandle, check_call
 
+from ._threads import env_count
+from .launch import ENGINE_THREADS_VAR, WORKER_ENGINE_THREADS
 from .servers import SERVER_ENV_TEXT
 
 log = logging.getLogger(__name__)
@@ -285,20 +287,24 @@ class _PiecesHandle(Handle):
             nd.wait_to_read()
 
 
-def _wait_nd(nd, timeout):
-    """Block until `nd` is readable, or raise TransportTimeout after `timeout` seconds.
+def _wait_nd(arrays, timeout):
+    """Block until every NDArray in `arrays` (or the one NDArray) is readable, or raise
+    TransportTimeout after `timeout` seconds in all.
 
     For the rare collective calls made on the training thread (broadcast, allgather).
     """
+    arrays = arrays if isinstance(arrays, list) else [arrays]
     if timeout is None:
-        nd.wait_to_read()
+        for nd in arrays:
+            nd.wait_to_read()
         return
     done = threading.Event()
     err = []
 
     def waiter():
         try:
-            nd.wait_to_read()
+            for nd in arrays:
+                nd.wait_to_read()
         except Exception as exc:  # surfaced in the caller below
             err.append(exc)
         done.set()
@@ -426,16 +432,16 @@ def engine_threads_warning(environ):
     Then the kvstore's push and pull operators, and SlimGC's copies, wait behind every
     forward and backward operator queued before them, and pieces cannot overlap.
     """
-    raw = environ.get("MXNET_CPU_WORKER_NTHREADS", "1")
     try:
-        threads = int(raw)
-    except ValueError:
+        threads = env_count(ENGINE_THREADS_VAR, "", environ) or 1
+    except ValueError:  # not a count: MXNet would not get more threads from it either
         threads = 1
     if threads >= 2:
         return None
-    return ("MXNET_CPU_WORKER_NTHREADS=%s: MXNet's engine has one CPU worker thread, so "
-            "transfers wait behind compute; start workers with MXNET_CPU_WORKER_NTHREADS=2 "
-            "(python -m slimgc_mx.launch does)" % raw)
+    return ("%s=%s: MXNet's engine has one CPU worker thread, so transfers wait behind "
+            "compute; start workers with %s=%d (python -m slimgc_mx.launch does)"
+            % (ENGINE_THREADS_VAR, environ.get(ENGINE_THREADS_VAR, "1"), ENGINE_THREADS_VAR,
+               WORKER_ENGINE_THREADS))
 
 
 class DistTransport(Transport):
@@ -505,8 +511,7 @@ class DistTransport(Transport):
         buf.for_write()
         pieces = buf.pieces(bounds)
         self._kv.pull(keys, out=pieces)
-        for nd in pieces:
-            _wait_nd(nd, self.timeout)
+        _wait_nd(pieces, self.timeout)
 
     def allgather(self, values):
         values = np.asarray(values, dtype=np.float64).ravel()
