@@ -1,5 +1,6 @@
 """Build for slimgc_mx: the Cython kernels in cython_ext/, with OpenMP when the compiler has it."""
 import os
+import runpy
 import sys
 import tempfile
 from distutils.ccompiler import new_compiler
@@ -28,6 +29,17 @@ def openmp_flags():
     return ["-fopenmp"], ["-fopenmp"]
 
 
+def write_layout():
+    """cython_ext/layout.pxd from slimgc_mx/codecs/layout.py (rewritten only when it changes)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    text = runpy.run_path(os.path.join(here, "slimgc_mx", "codecs", "layout.py"))["pxd_text"]()
+    path = os.path.join(here, "cython_ext", "layout.pxd")
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+write_layout()
 omp_compile, omp_link = openmp_flags()
 extensions = [
     Extension(

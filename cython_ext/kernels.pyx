@@ -1,12 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False
-"""nogil codec kernels: fused compensate + quantize + residual + packing, and unpacking.
+"""nogil kernels: the lane codecs' encoder (one block driver, per-codec level functions),
+the lane decoder, and MXNet SGD's update.
 
 Every kernel takes caller-provided outputs and a thread count, and splits its work
-into fixed chunks of CHUNK_LANES lanes, so 1 thread and N threads give bitwise
+into fixed chunks (slimgc_mx/codecs/layout.py), so 1 thread and N threads give bitwise
 equal results (whichever thread runs a chunk, its arithmetic is the same).
 Validation lives in the Python wrappers (slimgc_mx.codecs); the kernels only guard
-the sizes their raw-pointer loops rely on.
+the sizes their raw-pointer loops rely on. A codec's level function and entry point
+live in codec_<name>.pxi, included below the driver.
 """
 from cython.parallel cimport parallel, prange
 from libc.stdlib cimport calloc, free
@@ -14,7 +16,7 @@ from libc.float cimport FLT_MAX
 from libc.math cimport fabs, fabsf
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
-from lane_consts cimport BLOCK, CHECK_CHUNK, CHUNK_LANES, GROUP, MAX_DIGITS, ROW
+from layout cimport BLOCK, CHECK_CHUNK, CHUNK_LANES, GROUP, MAX_DIGITS, ROW, SGD_CHUNK
 
 cdef extern from *:
     """
@@ -66,7 +68,46 @@ cdef Py_ssize_t _count_bad(const float* x, Py_ssize_t count) noexcept nogil:
     return bad
 
 
-# ---------------------------------------------------------------- encoders
+
+# ---------------------------------------------------------------- encode driver
+# Per lane i (elements i*k .. i*k+k-1): c = g + r; q = level(c); r = c - own[q], where
+# own[q] is the one-worker decoded value of level q (error feedback);
+# lane = sum_j q_j * R**j, exact in float64 (below 2**53). Levels are kept as float32
+# (small integers, exact) so that the packing is a SIMD dot product.
+#
+# One parallel region per call: a read-only pass checks the gradient for NaN/Inf in
+# chunks of CHECK_CHUNK elements; only when every chunk is clean (all threads see the
+# same flags after the barrier) does the encoding pass write anything. The encoding
+# pass also counts non-finite c = g + r (float32 overflow, or a non-finite residual
+# handed in), which it can only find while writing.
+
+cdef struct LevelArgs:
+    float scale          # the codec's scalar: 2bit threshold t, 1bit scale s
+    const float* table   # a codec's float table (4bit thresholds)
+    const int* units     # a codec's int table (4bit units)
+    int offset           # a codec's level offset (4bit)
+
+
+# A codec's level function: levels q, residual r and the count of non-finite c for cnt
+# elements; adds its trailer statistic (if any) to stat[0] in element order.
+ctypedef Py_ssize_t (*levels_fn)(const float* g, float* r, float* q, Py_ssize_t cnt,
+                                 const LevelArgs* a, double* stat) noexcept nogil
+
+
+cdef struct EncodeJob:
+    levels_fn levels     # NULL: the passthrough (codec 'none', float32 lanes)
+    LevelArgs args
+    const float* g
+    float* r
+    void* out
+    double pw[MAX_DIGITS]
+    Py_ssize_t n
+    Py_ssize_t k
+    Py_ssize_t n_lanes
+    Py_ssize_t chunk
+    bint checked
+
+
 cdef Py_ssize_t _check_shapes(Py_ssize_t n, Py_ssize_t n_residual, Py_ssize_t n_out,
                               Py_ssize_t k) except -1:
     """Guard the raw-pointer loops: returns ceil(n / k), the lanes the kernel writes."""
@@ -84,22 +125,6 @@ cdef Py_ssize_t _check_shapes(Py_ssize_t n, Py_ssize_t n_residual, Py_ssize_t n_
 # lane = sum_j q_j * R**j, exact in float64 (below 2**53). Levels are kept as float32
 # (small integers, exact) so that the packing is a SIMD dot product.
 
-cdef inline Py_ssize_t _levels_2bit(const float* g, float* r, float* q, Py_ssize_t cnt,
-                                    float t) noexcept nogil:
-    # Branch-free so it vectorizes; t * (q - 1) in float32 is exact, so it equals
-    # own[q] = float32(double(t) * (q - 1)) bit for bit. Returns how many c are
-    # non-finite (they leave a non-finite residual).
-    cdef Py_ssize_t j
-    cdef float c
-    cdef int d, bad = 0
-    for j in range(cnt):
-        c = g[j] + r[j]
-        d = (c >= t) - (c <= -t)
-        q[j] = <float>(1 + d)
-        r[j] = c - t * <float>d
-        bad += not (fabsf(c) <= FLT_MAX)
-    return bad
-
 
 cdef inline void _pack_block(const float* q, const double* pw, double* lanes,
                              Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t n,
@@ -110,120 +135,22 @@ cdef inline void _pack_block(const float* q, const double* pw, double* lanes,
         lanes[i] = slimgc_pack(q + (i - i0) * k, pw, min(k, n - i * k))
 
 
-cdef void _enc_2bit(const float* g, float* r, double* lanes, const double* pw,
-                    float t, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
-                    Py_ssize_t k, Py_ssize_t* bad) noexcept nogil:
-    # Blocks of BLOCK lanes: one long level loop over their elements, then the packing.
-    cdef Py_ssize_t i0, i1, start, cnt
+
+cdef double _encode_blocks(const EncodeJob* job, Py_ssize_t lo, Py_ssize_t hi,
+                           Py_ssize_t* bad) noexcept nogil:
+    # Lanes [lo, hi) in blocks of BLOCK lanes: one level loop over their elements, then
+    # the packing. Returns the chunk's trailer statistic.
+    cdef Py_ssize_t i0 = lo, i1, start, cnt
     cdef float q[BLOCK * MAX_DIGITS]
-    i0 = lo
+    cdef double stat = 0.0
     while i0 < hi:
         i1 = min(i0 + BLOCK, hi)
-        start = i0 * k
-        cnt = min(i1 * k, n) - start
-        bad[0] += _levels_2bit(g + start, r + start, q, cnt, t)
-        _pack_block(q, pw, lanes, i0, i1, n, k)
+        start = i0 * job.k
+        cnt = min(i1 * job.k, job.n) - start
+        bad[0] += job.levels(job.g + start, job.r + start, q, cnt, &job.args, &stat)
+        _pack_block(q, job.pw, <double*>job.out, i0, i1, job.n, job.k)
         i0 = i1
-
-
-cdef inline Py_ssize_t _levels_1bit(const float* g, float* r, float* q, float* comp,
-                                    Py_ssize_t cnt, float s) noexcept nogil:
-    # q = (c >= 0); s * (2q - 1) in float32 equals own[q] bit for bit. Keeps c in comp;
-    # returns how many c are non-finite.
-    cdef Py_ssize_t j
-    cdef float c
-    cdef int b, bad = 0
-    for j in range(cnt):
-        c = g[j] + r[j]
-        comp[j] = c
-        b = c >= 0
-        q[j] = <float>b
-        r[j] = c - s * <float>(2 * b - 1)
-        bad += not (fabsf(c) <= FLT_MAX)
-    return bad
-
-
-cdef double _enc_1bit(const float* g, float* r, double* lanes, const double* pw,
-                      float s, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t n,
-                      Py_ssize_t k, Py_ssize_t* bad) noexcept nogil:
-    # Returns sum |c| over the chunk, added in element order (a loop of its own, so the
-    # level loop still vectorizes).
-    cdef Py_ssize_t i0, i1, j, start, cnt
-    cdef float q[BLOCK * MAX_DIGITS]
-    cdef float comp[BLOCK * MAX_DIGITS]
-    cdef double total = 0.0
-    i0 = lo
-    while i0 < hi:
-        i1 = min(i0 + BLOCK, hi)
-        start = i0 * k
-        cnt = min(i1 * k, n) - start
-        bad[0] += _levels_1bit(g + start, r + start, q, comp, cnt, s)
-        _pack_block(q, pw, lanes, i0, i1, n, k)
-        for j in range(cnt):
-            total += fabs(<double>comp[j])
-        i0 = i1
-    return total
-
-
-cdef inline Py_ssize_t _levels_4bit(const float* g, float* r, float* q, Py_ssize_t cnt,
-                                    const float* th, const int* units,
-                                    int offset) noexcept nogil:
-    # Largest threshold <= |c| by seven selects (branch-free, vectorizes). The value sent
-    # is +-th[k] = +-float32(0.01 * units[k+1]): own[q] bit for bit. Returns how many c
-    # are non-finite.
-    cdef float t0 = th[0], t1 = th[1], t2 = th[2], t3 = th[3], t4 = th[4], t5 = th[5]
-    cdef float t6 = th[6]
-    cdef int u1 = units[1], u2 = units[2], u3 = units[3], u4 = units[4], u5 = units[5]
-    cdef int u6 = units[6], u7 = units[7]
-    cdef Py_ssize_t j
-    cdef float c, a, x
-    cdef int u, bad = 0
-    for j in range(cnt):
-        c = g[j] + r[j]
-        a = fabsf(c)
-        x = 0.0
-        u = 0
-        x = t0 if a >= t0 else x
-        u = u1 if a >= t0 else u
-        x = t1 if a >= t1 else x
-        u = u2 if a >= t1 else u
-        x = t2 if a >= t2 else x
-        u = u3 if a >= t2 else u
-        x = t3 if a >= t3 else x
-        u = u4 if a >= t3 else u
-        x = t4 if a >= t4 else x
-        u = u5 if a >= t4 else u
-        x = t5 if a >= t5 else x
-        u = u6 if a >= t5 else u
-        x = t6 if a >= t6 else x
-        u = u7 if a >= t6 else u
-        u = -u if c < 0 else u
-        x = -x if c < 0 else x
-        q[j] = <float>(offset + u)
-        r[j] = c - x
-        bad += not (a <= FLT_MAX)
-    return bad
-
-
-cdef double _enc_4bit(const float* g, float* r, double* lanes, const double* pw,
-                      const float* th, const int* units, int offset, Py_ssize_t lo,
-                      Py_ssize_t hi, Py_ssize_t n, Py_ssize_t k,
-                      Py_ssize_t* bad) noexcept nogil:
-    # Returns sum |g| over the chunk, added in element order.
-    cdef Py_ssize_t i0, i1, j, start, cnt
-    cdef float q[BLOCK * MAX_DIGITS]
-    cdef double total = 0.0
-    i0 = lo
-    while i0 < hi:
-        i1 = min(i0 + BLOCK, hi)
-        start = i0 * k
-        cnt = min(i1 * k, n) - start
-        bad[0] += _levels_4bit(g + start, r + start, q, cnt, th, units, offset)
-        _pack_block(q, pw, lanes, i0, i1, n, k)
-        for j in range(start, start + cnt):
-            total += fabs(<double>g[j])
-        i0 = i1
-    return total
+    return stat
 
 
 cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
@@ -235,54 +162,16 @@ cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
     bad[0] += _count_bad(lanes + lo, hi - lo)
 
 
-# ---------------------------------------------------------------- encode driver
-# One parallel region per call: a read-only pass checks the gradient for NaN/Inf in
-# chunks of CHECK_CHUNK elements; only when every chunk is clean (all threads see the
-# same flags after the barrier) does the encoding pass write anything. The encoding
-# pass also counts non-finite c = g + r (float32 overflow, or a non-finite residual
-# handed in), which it can only find while writing.
 
-cdef enum:
-    MODE_NONE = 0
-    MODE_1BIT = 1
-    MODE_2BIT = 2
-    MODE_4BIT = 3
-
-
-cdef struct Job:
-    int mode
-    const float* g
-    float* r
-    void* out
-    double pw[MAX_DIGITS]
-    const float* th
-    const int* units
-    int offset
-    float param
-    Py_ssize_t n
-    Py_ssize_t k
-    Py_ssize_t n_lanes
-    Py_ssize_t chunk
-    bint checked
-
-
-cdef double _encode_chunk(const Job* job, Py_ssize_t c, Py_ssize_t* bad) noexcept nogil:
+cdef double _encode_chunk(const EncodeJob* job, Py_ssize_t c, Py_ssize_t* bad) noexcept nogil:
     """Encode lanes [c*chunk, (c+1)*chunk); returns the chunk's trailer partial sum and
     adds the count of non-finite c to bad[0]."""
     cdef Py_ssize_t lo = c * job.chunk
     cdef Py_ssize_t hi = min(lo + job.chunk, job.n_lanes)
-    if job.mode == MODE_2BIT:
-        _enc_2bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n, job.k,
-                  bad)
+    if job.levels == NULL:
+        _copy_sum(job.g, job.r, <float*>job.out, lo, hi, bad)
         return 0.0
-    if job.mode == MODE_1BIT:
-        return _enc_1bit(job.g, job.r, <double*>job.out, job.pw, job.param, lo, hi, job.n,
-                         job.k, bad)
-    if job.mode == MODE_4BIT:
-        return _enc_4bit(job.g, job.r, <double*>job.out, job.pw, job.th, job.units,
-                         job.offset, lo, hi, job.n, job.k, bad)
-    _copy_sum(job.g, job.r, <float*>job.out, lo, hi, bad)
-    return 0.0
+    return _encode_blocks(job, lo, hi, bad)
 
 
 cdef inline bint _all_zero(const Py_ssize_t* flags, Py_ssize_t count) noexcept nogil:
@@ -293,7 +182,8 @@ cdef inline bint _all_zero(const Py_ssize_t* flags, Py_ssize_t count) noexcept n
     return True
 
 
-cdef tuple _run(Job* job, int num_threads):
+
+cdef tuple _run(EncodeJob* job, int num_threads):
     """Check, then encode. Returns (non-finite grad count, non-finite grad + residual
     count, trailer sum); nothing is written when the first count is not 0. A job whose
     gradient the caller has already checked skips the read-only pass."""
@@ -335,15 +225,15 @@ cdef tuple _run(Job* job, int num_threads):
     return bad, bad_comp, total
 
 
-cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
-              Py_ssize_t n_out, const uint64_t[::1] powers, bint checked) except *:
-    cdef Job job
+cdef EncodeJob _job(levels_fn levels, const float[::1] grad, float[::1] residual, void* out,
+                    Py_ssize_t n_out, const uint64_t[::1] powers, bint checked) except *:
+    cdef EncodeJob job
     cdef Py_ssize_t j, k = powers.shape[0]
-    job.mode = mode
+    job.levels = levels
     job.n = grad.shape[0]
     job.k = k
     job.n_lanes = _check_shapes(job.n, residual.shape[0], n_out, k)
-    job.chunk = CHECK_CHUNK if mode == MODE_NONE else CHUNK_LANES
+    job.chunk = CHECK_CHUNK if levels == NULL else CHUNK_LANES
     job.g = &grad[0] if job.n else NULL
     job.r = &residual[0] if job.n else NULL
     job.out = out
@@ -351,70 +241,26 @@ cdef Job _job(int mode, const float[::1] grad, float[::1] residual, void* out,
         if powers[j] >= 9007199254740992ULL:
             raise ValueError("digit weight %d is not below 2**53" % powers[j])
         job.pw[j] = <double>powers[j]
-    job.th = NULL
-    job.units = NULL
-    job.offset = 0
-    job.param = 0.0
+    job.args.scale = 0.0
+    job.args.table = NULL
+    job.args.units = NULL
+    job.args.offset = 0
     job.checked = checked
     return job
 
 
-def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, float threshold, int num_threads,
-                bint grad_checked=False):
-    """2bit: levels {-t, 0, +t} -> q in {0, 1, 2}; fills lanes[:ceil(n/k)], updates residual.
-
-    Returns (non-finite grad count, non-finite grad + residual count, 0.0); nothing is
-    written when the first count is not 0. grad_checked: the caller has counted no
-    NaN/Inf in grad, so the read-only pre-check is skipped (a non-finite grad is then
-    found while encoding, in the second count, after residual and lanes are written).
-    Every encoder takes it.
-    """
-    cdef Job job = _job(MODE_2BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], powers, grad_checked)
-    job.param = threshold
-    return _run(&job, num_threads)
+cdef EncodeJob _lane_job(levels_fn levels, const float[::1] grad, float[::1] residual,
+                         double[::1] lanes, const uint64_t[::1] powers, bint checked) except *:
+    """The job of a lane codec's entry point: `levels` over grad, packed into `lanes`."""
+    return _job(levels, grad, residual, &lanes[0] if lanes.shape[0] else NULL, lanes.shape[0],
+                powers, checked)
 
 
-def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, float scale, int num_threads,
-                bint grad_checked=False):
-    """1bit: q = (c >= 0), value scale * (2q - 1); returns (counts as 2bit, sum |c|)."""
-    cdef Job job = _job(MODE_1BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], powers, grad_checked)
-    job.param = scale
-    return _run(&job, num_threads)
-
-
-def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
-                const uint64_t[::1] powers, const float[::1] thresholds,
-                const int[::1] units, int offset, int num_threads,
-                bint grad_checked=False):
-    """4bit: q = offset +- units[#thresholds <= |c|]; returns (counts as 2bit, sum |g|).
-
-    thresholds ascending, thresholds[k] = float32(unit * units[k+1]) (the decoded
-    values); units[0] = 0. Levels q lie in 0..2*offset.
-    """
-    if thresholds.shape[0] != 7 or units.shape[0] != 8:
-        raise ValueError("encode_4bit needs 7 thresholds and 8 units")
-    if units[0] != 0 or min(units) < 0 or max(units) > offset:
-        raise ValueError("encode_4bit: units must start at 0 and stay in 0..offset")
-    cdef Job job = _job(MODE_4BIT, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], powers, grad_checked)
-    job.th = &thresholds[0]
-    job.units = &units[0]
-    job.offset = offset
-    return _run(&job, num_threads)
-
-
-def encode_none(const float[::1] grad, float[::1] residual, float[::1] lanes, int num_threads,
-                bint grad_checked=False):
-    """Passthrough: lanes = grad + residual (float32), residual = 0; counts as 2bit."""
-    cdef uint64_t one[1]
-    one[0] = 1
-    cdef Job job = _job(MODE_NONE, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
-                        lanes.shape[0], <uint64_t[:1]>one, grad_checked)
-    return _run(&job, num_threads)
+# ---------------------------------------------------------------- codecs
+include "codec_none.pxi"
+include "codec_1bit.pxi"
+include "codec_2bit.pxi"
+include "codec_4bit.pxi"
 
 
 # ---------------------------------------------------------------- decoder
@@ -553,9 +399,6 @@ def decode_lanes(const double[::1] lanes, float[::1] out, const float[::1] rows,
 #   out = (1 - lr*wd) * w - lr * g'     (without: mom_in and mom_out are NULL)
 # out may be w and mom_out may be mom_in (in place), or separate (the local update
 # reads the global weights and momentum and writes neither).
-
-cdef enum:
-    SGD_CHUNK = 65536
 
 
 cdef Py_ssize_t _sgd_chunk(const float* w, const float* g, const float* mom_in,

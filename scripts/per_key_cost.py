@@ -22,7 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from slimgc_mx import codecs  # noqa: E402
-from slimgc_mx.backup import LocalUpdater, clone_optimizer  # noqa: E402
+from slimgc_mx.update import LocalUpdater, clone_optimizer  # noqa: E402
 from slimgc_mx.sgd import SGDKernel  # noqa: E402
 from slimgc_mx.transport import Buffer, EngineNotifier  # noqa: E402
 

@@ -80,7 +80,7 @@ def run_job(args):
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import slimgc_mx
-    from slimgc_mx import datasets, models
+    from slimgc_mx.bench import datasets, models
 
     kv = mx.kv.create("slimgc")
     rank, nw = kv.rank, kv.num_workers

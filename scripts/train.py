@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from slimgc_mx import datasets, models  # noqa: E402
+from slimgc_mx.bench import datasets, models  # noqa: E402
 
 KVSTORES = ("slimgc", "dist_sync", "local")
 COMPRESSORS = ("none", "1bit", "2bit", "4bit")
@@ -205,7 +205,12 @@ def progress_bar(total, desc, enabled):
     return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
 
 
-def main(argv=None):
+def main(argv=None, on_step=None):
+    """Train as the command line says; returns the result dict (rank 0 also prints it).
+
+    on_step(trainer), when given, runs before every trainer.step (the cluster harness
+    timestamps steps with it).
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.compressor is None:
@@ -282,6 +287,8 @@ def main(argv=None):
             with autograd.record():
                 loss = loss_fn(net(xb), yb)
             loss.backward()
+            if on_step is not None:
+                on_step(trainer)
             trainer.step(global_batch)  # mean gradient over all workers' samples
             lval = float(loss.mean().asscalar())  # sync point: this step's forward is done
             if not np.isfinite(lval):

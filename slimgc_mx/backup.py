@@ -10,15 +10,16 @@ engine, which orders it before that write); it then sets it 1 -> 0 and
 publishes version i+1. With backup off the parameters get w_{i+1} (synchronous
 SGD); the training thread does not wait for it: a write hold in MXNet's engine
 makes the next forward pass wait instead, as MXNet's own kvstore does.
+
+The state machine knows nothing of MXNet: the arrays it touches come through
+`arrays` (transport.ArrayOps for MXNet), so it runs and is tested on any arrays.
 """
-import copy
 import threading
 import time
 
-import mxnet as mx
 import numpy as np
 
-from .transport import Buffer, async_engine, copy_array
+from .pipeline import PipelineError
 
 
 class BackupTimeout(TimeoutError):
@@ -49,14 +50,17 @@ class _Slot:
 class ModelBackup:
     """glo_buf per key and the loc_buf status flag; the two threads meet only here.
 
-    `engine` (an EngineNotifier) lets write_back return without waiting; without
-    it, or under MXNet's NaiveEngine, write_back waits for the global weights.
+    `arrays` makes CPU Buffers (`new(shape)`), queues copies between arrays in the
+    engine's order (`copy(src, dst)`) and, when the engine runs asynchronously, holds
+    an array's writers back (`hold(nd)`; `can_hold`): then write_back returns without
+    waiting; otherwise it waits for the global weights.
     """
 
-    def __init__(self, enabled, timeout, engine=None):
+    def __init__(self, enabled, timeout, arrays):
         self.enabled = enabled
         self.timeout = timeout
-        self._engine = engine if engine is not None and not enabled and async_engine() else None
+        self._arrays = arrays
+        self._holds = not enabled and arrays.can_hold
         self._slots = {}
         self._cond = threading.Condition()
         self._error = None
@@ -68,14 +72,15 @@ class ModelBackup:
 
     def add(self, key, weight):
         """Register `key` with initial global weights (copied to a CPU, default-layout glo_buf)."""
-        glo = Buffer(weight.shape, np.float32)
-        weight.copyto(glo.nd)
+        arrays = self._arrays
+        glo = arrays.new(weight.shape)
+        arrays.copy(weight, glo.nd)
         slot = self._slots[key] = _Slot(glo)
         if self.enabled:
-            slot.loc = Buffer(weight.shape, np.float32)
-        if self._engine is not None:
-            slot.staged = Buffer(weight.shape, np.float32)
-            glo.nd.copyto(slot.staged.nd)
+            slot.loc = arrays.new(weight.shape)
+        if self._holds:
+            slot.staged = arrays.new(weight.shape)
+            arrays.copy(glo.nd, slot.staged.nd)
 
     def glo_buf(self, key):
         return self._slots[key].glo_buf
@@ -95,7 +100,7 @@ class ModelBackup:
         slot.params = params
         local_update(grad, slot.glo, slot.loc)
         for out in params:
-            copy_array(slot.loc.nd, out)
+            self._arrays.copy(slot.loc.nd, out)
         with self._cond:
             slot.flag = 1
             self._cond.notify_all()
@@ -109,14 +114,14 @@ class ModelBackup:
         """
         slot = self._slots[key]
         slot.params = params
-        if self._engine is None:
+        if not self._holds:
             self.wait_version(key, step)
             for out in params:
-                copy_array(slot.glo_buf, out)
+                self._arrays.copy(slot.glo_buf, out)
             return
-        hold = self._engine.hold(slot.staged.nd)
+        hold = self._arrays.hold(slot.staged.nd)
         for out in params:
-            copy_array(slot.staged.nd, out)
+            self._arrays.copy(slot.staged.nd, out)
         with self._cond:
             failed = self._error is not None
             waiting = slot.version < step and not failed
@@ -176,7 +181,6 @@ class ModelBackup:
     def _raise(self):
         if isinstance(self._error, BackupTimeout):
             raise BackupTimeout(str(self._error))
-        from .pipeline import PipelineError
         raise PipelineError.of(self._error, self._error_where)
 
     def fail(self, exc, where):
@@ -228,18 +232,19 @@ class ModelBackup:
             self.wait_version(key, slot.version)
             if slot.params is not None:
                 for out in slot.params:
-                    slot.glo_buf.copyto(out)
+                    self._arrays.copy(slot.glo_buf, out)
 
     def state_dict(self):
-        return {key: {"glo_buf": s.glo_buf.asnumpy(), "version": s.version, "flag": s.flag}
+        """Per key: glo_buf (a flat float32 array), version and flag."""
+        return {key: {"glo_buf": s.glo.for_read().copy(), "version": s.version, "flag": s.flag}
                 for key, s in self._slots.items()}
 
     def load_state_dict(self, state):
         for key, s in state.items():
             slot = self._slots[key]
-            slot.glo_buf[:] = s["glo_buf"]
+            np.copyto(slot.glo.for_write(), np.asarray(s["glo_buf"], np.float32).reshape(-1))
             if slot.staged is not None:
-                slot.glo_buf.copyto(slot.staged.nd)
+                self._arrays.copy(slot.glo_buf, slot.staged.nd)
             slot.version = s["version"]
             slot.flag = s["flag"]
 
@@ -248,91 +253,3 @@ def _late(key, version, timeout):
     return ("key %r: global weights of step %d did not arrive within %.0f s; a worker or server "
             "may have died (set SLIMGC_TIMEOUT to wait longer)" % (key, version, timeout))
 
-
-def clone_optimizer(opt):
-    """A shallow copy of an MXNet optimizer with its own update counters and settings.
-
-    Shared: param_dict, idx2name, lr_scheduler. Separate: lr, rescale_grad and the
-    per-index update counts, so two threads can each drive their own copy.
-    """
-    twin = copy.copy(opt)
-    counts = {dev: dict(c) for dev, c in opt._all_index_update_counts.items()}
-    current = next((dev for dev, c in opt._all_index_update_counts.items()
-                    if c is opt._index_update_count), 0)
-    twin._all_index_update_counts = counts
-    twin._index_update_count = counts.setdefault(current, {})
-    return twin
-
-
-class LocalUpdater:
-    """The local update of the backup: one step of the global optimizer from glo_buf.
-
-    By default it applies the global optimizer's rule with a copy of the global
-    optimizer state (e.g. momentum) as it stands after w_i, and the local gradient
-    scaled by num_workers in place of the sum over workers: the best local guess of
-    w_{i+1}, exact when every worker's gradient is the same (always with one
-    worker). It keeps no recursion of its own, so it is as stable as the global
-    optimizer. `loc_optimizer` (a name) instead runs that optimizer with its own
-    state; `loc_lr` replaces the learning rate.
-
-    For MXNet's SGD (the paper's optimizer) the default rule runs as one pass of
-    `kernel` (the SGDKernel of the global update, which holds the momentum): it
-    reads glo_buf and the global momentum in place and writes neither. With
-    `engine` (an EngineNotifier) that pass runs in MXNet's engine once the
-    gradient exists.
-    """
-
-    def __init__(self, global_optimizer, num_workers, loc_lr=None, loc_optimizer=None,
-                 global_updater=None, kernel=None, engine=None):
-        self._global = global_optimizer
-        self._num_workers = num_workers
-        self._loc_lr = loc_lr
-        self._global_updater = global_updater if loc_optimizer is None else None
-        if loc_optimizer is None:
-            opt = clone_optimizer(global_optimizer)
-        else:
-            opt = mx.optimizer.create(loc_optimizer, learning_rate=global_optimizer.lr,
-                                      wd=global_optimizer.wd,
-                                      param_dict=global_optimizer.param_dict)
-        self.optimizer = opt
-        self._updater = mx.optimizer.get_updater(opt)
-        self._kernel = kernel if self._global_updater is not None else None
-        self._engine = engine
-
-    @property
-    def fused(self):
-        """True when the update runs as the SGD kernel."""
-        return self._kernel is not None
-
-    def __call__(self, index, grad, glo, out, check=None):
-        """out <- glo after one local step with `grad` (all Buffers; glo is not written).
-
-        `check` (a pipeline.GradCheck) is filled when the SGD kernel runs the step.
-        """
-        opt = self.optimizer
-        opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
-        opt.rescale_grad = self._global.rescale_grad * self._num_workers
-        source = self._global_updater
-        if source is not None:
-            glo_opt = source.optimizer
-            opt._index_update_count[index] = glo_opt._index_update_count.get(
-                index, glo_opt.begin_num_update)
-            if self._kernel is not None:
-                self._kernel.local_step(opt, index, grad, glo, out, self._engine, check)
-                return
-            if index in source.states:
-                self._updater.states[index] = _copy_state(source.states[index])
-                self._updater.states_synced[index] = True
-            else:
-                self._updater.states.pop(index, None)
-        copy_array(glo.nd, out.nd)
-        self._updater(index, grad.nd, out.nd)
-
-
-def _copy_state(state):
-    """A copy of an optimizer state: NDArrays copied (engine ops), nesting kept."""
-    if isinstance(state, mx.nd.NDArray):
-        return state.copy()
-    if isinstance(state, (list, tuple)):
-        return type(state)(_copy_state(s) for s in state)
-    return state

@@ -1,19 +1,21 @@
 """SlimGCConfig: every option of the kvstore, validated once, from one of three sources.
 
-Precedence (later wins): defaults < SLIMGC_* environment < constructor kwargs /
-Trainer's `compression_params`. The environment is read here and nowhere else.
+Precedence (later wins): defaults < SLIMGC_* environment (read through env.py) <
+constructor kwargs / Trainer's `compression_params`.
 """
 import dataclasses
 import math
-import os
 import threading
 from typing import Optional, Union
 
-from . import codecs
+from . import codecs, env
 from .threshold import check_rule
-from .transport import PIECE_BYTES
 
-ENV_PREFIX = "SLIMGC_"
+# A buffer larger than this travels as pieces of at most this many bytes, each its own
+# wire key (0: whole). MXNet's dist_sync answers a pull only after every worker's push of
+# that key, so with pieces the first sums flow back while later pieces are still pushed,
+# and a worker's link carries both directions at once.
+PIECE_BYTES = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _BOOL_FIELDS = ("backup", "offload", "fuse")
@@ -68,12 +70,8 @@ class SlimGCConfig:
     @classmethod
     def from_sources(cls, options=None, environ=None):
         """Build from SLIMGC_* variables in `environ`, overridden by `options` (a dict)."""
-        environ = os.environ if environ is None else environ
-        values = {}
-        for name in cls.field_names():
-            raw = environ.get(ENV_PREFIX + name.upper())
-            if raw is not None and raw != "":
-                values[name] = _parse(name, raw, ENV_PREFIX + name.upper())
+        values = {name: _parse(name, raw, env.OPTION_PREFIX + name.upper())
+                  for name, raw in env.option_variables(cls.field_names(), environ).items()}
         values.update(normalize_options(options or {}))
         return cls(**values)
 

@@ -1,9 +1,11 @@
-"""Device codec: the codecs' encode/decode as MXNet NDArray operators on the gradient's context.
+"""Device codec: a lane codec's encode/decode as MXNet NDArray operators on the gradient's context.
 
 This is the offload=False baseline ("compress on the device"): every step is an engine op
 on the gradient's own context, bitwise equal to the Cython kernels given the same state
-(the trailer lane, a float mean summed in another order, excepted). The codec instance
-still holds the shared state; decode() updates it exactly like Codec.decode().
+(the trailer lane, a float mean summed in another order, excepted). Each codec gives its
+levels as NDArray ops (LaneCodec.device_levels, in the codec's own file); this module
+compensates, feeds back, packs and unpacks. The codec instance still holds the shared
+state; decode() updates it exactly like LaneCodec.decode().
 
 Host synchronisations, both reading a single value:
   - encode: one reduction of "is every grad + residual finite" (the NaN/Inf policy must
@@ -17,9 +19,7 @@ import mxnet as mx
 import numpy as np
 
 from .codecs.base import check_num_workers, raise_nonfinite
-from .codecs.fourbit import GROUPS, MAX_UNITS, FourBit, group_thresholds
-from .codecs.onebit import OneBit
-from .codecs.twobit import TwoBit
+from .codecs.lanes import LaneCodec
 
 #: Largest finite float32: |c| <= FLT_MAX is false exactly for NaN and +-Inf (as in the kernels).
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -51,10 +51,11 @@ class DeviceCodec:
     """Runs `codec`'s encode/decode with NDArray ops; the codec keeps the shared state."""
 
     def __init__(self, codec):
-        if not isinstance(codec, (OneBit, TwoBit, FourBit)):
+        if not isinstance(codec, LaneCodec) or type(codec).device_levels is \
+                LaneCodec.device_levels or codec.levels is None:
             name = getattr(codec, "name", type(codec).__name__)
-            raise ValueError("DeviceCodec supports the lane codecs '1bit', '2bit', '4bit', "
-                             "got %r" % (name,))
+            raise ValueError("DeviceCodec supports lane codecs with levels (1bit, 2bit, 4bit, "
+                             "...), got %r" % (name,))
         self.codec = codec
         self._consts = {}
 
@@ -72,9 +73,9 @@ class DeviceCodec:
         return hit[1]
 
     def _own(self, ctx):
-        """float32 table: decoded value of each level for one worker (codec._own_values())."""
+        """float32 table: decoded value of each level for one worker (codec.own_values())."""
         return self._const("own", ctx, self.codec._affine(),
-                           lambda: mx.nd.array(self.codec._own_values(), ctx=ctx,
+                           lambda: mx.nd.array(self.codec.own_values(), ctx=ctx,
                                                dtype=np.float32))
 
     def _powers(self, ctx, radix, k):
@@ -85,23 +86,9 @@ class DeviceCodec:
 
     # ------------------------------------------------------------ levels
     def _levels(self, c, ctx):
-        """float32 level q of each compensated value, the kernels' comparisons on float32."""
-        codec = self.codec
-        if isinstance(codec, TwoBit):
-            t = float(np.float32(codec._threshold))
-            return (c >= t) - (c <= -t) + 1.0
-        if isinstance(codec, OneBit):
-            return c >= 0.0
-        a = mx.nd.abs(c)
-        idx = None
-        for x in group_thresholds(codec.group).tolist():
-            step = a >= x
-            idx = step if idx is None else idx + step
-        units = self._const("units", ctx, codec.group,
-                            lambda: mx.nd.array((0,) + GROUPS[codec.group], ctx=ctx,
-                                                dtype=np.float32))
-        u = mx.nd.take(units, idx)
-        return mx.nd.where(c < 0.0, MAX_UNITS - u, u + MAX_UNITS)
+        """float32 level q of each compensated value: the codec's own NDArray ops."""
+        return self.codec.device_levels(
+            c, mx.nd, lambda kind, params, make: self._const(kind, ctx, params, make))
 
     # ------------------------------------------------------------ encode
     @staticmethod
@@ -141,7 +128,7 @@ class DeviceCodec:
             q = self._levels(c, ctx)
             stat = None
             if codec.trailer_lanes:
-                src = c if isinstance(codec, OneBit) else g
+                src = codec.device_statistic(g, c)
                 stat = mx.nd.sum(mx.nd.abs(src).astype(np.float64))
             mx.nd.elemwise_sub(c, mx.nd.take(self._own(ctx), q), out=r)
             digits = q.astype(np.float64)

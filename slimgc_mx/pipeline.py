@@ -6,10 +6,10 @@ key's transfer and a third key's decoding:
     encoder       wait for grad_buf, encode bit_buf with the codec (no GIL held)
     communicator  push + pull on the transport (MXNet's engine sends asynchronously)
     finisher      wait for the sum, decode it into the aggregate, hand it to `finish`
-                  (or, for a job marked decode_in_update, leave decoding to `finish`)
+                  (or, for a transfer marked decode_in_update, leave decoding to `finish`)
 
 Any exception in a stage is kept and raised in the training thread at its next
-wait, chained to the original traceback; later jobs are dropped.
+wait, chained to the original traceback; later transfers are dropped.
 
 Non-finite gradients: a worker whose gradient holds NaN/Inf still takes part in
 the transfer (it sends NaN, so no other worker waits forever), and every worker
@@ -19,10 +19,13 @@ any weights.
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from typing import List, Optional
 
 import numpy as np
 
 from .codecs import NonFiniteGradientError
+from .grad_buf import GradCheck, Push
 
 
 class PipelineError(RuntimeError):
@@ -40,85 +43,48 @@ class NonFiniteAggregateError(NonFiniteGradientError):
     """The sum over workers of a key's gradient holds NaN/Inf; no weight was updated."""
 
 
-class KeyBuffers:
-    """Everything the pipeline holds for one key: the paper's grad_buf, fp_buf and bit_buf.
+@dataclass
+class Transfer:
+    """One aggregation of one step: a key, or a fused bucket of keys, through the pipeline.
 
-    grad_buf  float32 copy of the local gradient (the fp_buf route sends it as is)
-    bit_send  the codec's lanes for this worker (bit_buf)
-    bit_recv  the lanes summed over workers
-    agg       float32 sum over workers of the gradient (pulled, or decoded from bit_recv)
-    residual  the codec's error-feedback memory
-    device    a DeviceCodec when encoding runs as NDArray ops (offload off), else None
+    The planner fills the route; the pipeline fills the timings and `nonfinite`.
     """
 
-    def __init__(self, index, shape, codec, num_workers, make_buffer):
-        self.index = index
-        self.shape = tuple(shape)
-        self.size = size = int(np.prod(shape))
-        self.nbytes = 4 * size
-        self.codec = codec
-        self.grad_buf = make_buffer(shape, np.float32)
-        self.agg = make_buffer(shape, np.float32)
-        self.device = None
-        if codec is not None:
-            self.residual = make_buffer((size,), np.float32)
-            lanes = max(1, codec.lane_count(size, num_workers))
-            self.bit_send = make_buffer((lanes,), codec.wire_dtype)
-            self.bit_recv = make_buffer((lanes,), codec.wire_dtype)
-        else:  # compressor 'none': full precision only, no error feedback
-            self.residual = self.bit_send = self.bit_recv = None
+    buffers: object  # a grad_buf.KeyBuffers, or a planner.Bucket on the full-precision route
+    step: int
+    pushes: List[Push]  # the keys' gradients it carries (one, or a bucket's members)
+    settings: Optional[object]  # update.OptSettings of the step; None: a plain sum, no update
+    label: str  # how messages name it: "key 3", "keys 0..5 (fused)"
+    compressed: bool  # bit_buf route (else fp_buf)
+    serial: bool = False  # warm-up: transferred alone and timed, in the trainer's key order
+    decode_in_update: bool = False  # the SGD kernel decodes bit_sum inside its update
+    check: Optional[GradCheck] = None  # set: enters once check.ready is readable
+    handle: object = None
+    t_start: Optional[float] = None
+    t_comm: Optional[float] = None
+    t_proc: float = 0.0  # encode + decode seconds
+    nonfinite: bool = False  # this worker's gradient held NaN/Inf: it sends NaN
 
-    # Wire keys: fp route, compressed route and the weight broadcast of key `index`.
-    @property
-    def fp_key(self):
-        return 3 * self.index
-
-    @property
-    def bit_key(self):
-        return 3 * self.index + 1
+    def ready_array(self):
+        """The NDArray the transfer waits for before it enters (its producer's output)."""
+        b = self.buffers
+        if self.check is not None:
+            return self.check.ready
+        if self.compressed and b.device is not None:
+            return b.bit_buf.nd  # encoded by NDArray ops queued on the training thread
+        return b.grad_buf.nd
 
     @property
-    def weight_key(self):
-        return 3 * self.index + 2
-
-
-class GradCheck:
-    """The local update's count of NaN/Inf in grad_buf, so that the encoder need not read
-    grad_buf a second time (its pre-check is a full pass over the gradient).
-
-    `ready`: the array the local update writes; `nonfinite` is set before it is readable.
-    """
-
-    __slots__ = ("ready", "nonfinite")
-
-    def __init__(self):
-        self.ready = None
-        self.nonfinite = None
-
-
-class Job:
-    """One key's aggregation for one step."""
-
-    __slots__ = ("buffers", "step", "compressed", "serial", "context", "key", "handle",
-                 "t_start", "t_comm", "t_proc", "nonfinite", "decode_in_update", "check")
-
-    def __init__(self, buffers, step, compressed, serial=False, context=None, key=None):
-        self.buffers = buffers  # a KeyBuffers, or a fusion.Bucket on the full-precision route
-        self.step = step
-        self.compressed = compressed
-        self.serial = serial  # transfer alone (warm-up timing) instead of overlapped
-        self.context = context  # whatever `finish` needs (optimizer settings of this step)
-        self.key = key  # what messages name: the user key, or the bucket
-        self.handle = None
-        self.t_start = self.t_comm = None
-        self.t_proc = 0.0
-        self.nonfinite = False  # this worker's gradient held NaN/Inf: it sends NaN
-        self.decode_in_update = False  # `finish` decodes bit_recv inside the optimizer step
-        self.check = None  # a GradCheck: submitted once its `ready` array is readable
+    def wire(self):
+        """(wire key, what is sent, where the sum lands) of its route."""
+        b = self.buffers
+        if self.compressed:
+            return b.wire.bit, b.bit_buf, b.bit_sum
+        return b.wire.fp, b.fp_buf, b.agg
 
 
 class Pipeline:
-    """Runs jobs through encoder -> communicator -> finisher threads."""
+    """Runs transfers through encoder -> communicator -> finisher threads."""
 
     def __init__(self, transport, finish, on_error, notifier=None):
         self.transport = transport
@@ -141,19 +107,20 @@ class Pipeline:
             t.start()
             self._threads.append(t)
 
-    def submit(self, job, ready=None):
-        """Queue `job`; with `ready` (an NDArray) it enters once the engine has written it."""
+    def submit(self, transfer):
+        """Queue `transfer`: at once when serial, else once its ready_array() is written."""
         if self.error is not None:
             raise PipelineError.of(self.error, self.error_where)
         with self._idle:
             self._pending += 1
-        if ready is None:
-            self._queues[0].put(job)
+        if transfer.serial:
+            self._queues[0].put(transfer)
         else:
-            self._notifier.when_readable(ready, lambda: self._queues[0].put(job))
+            self._notifier.when_readable(transfer.ready_array(),
+                                         lambda: self._queues[0].put(transfer))
 
     def wait_idle(self, timeout):
-        """Block until every submitted job has finished; raise on failure or timeout."""
+        """Block until every submitted transfer has finished; raise on failure or timeout."""
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0 or self.error is not None,
                                        timeout):
@@ -172,21 +139,21 @@ class Pipeline:
 
     def _run(self, fn, inbox, outbox):
         while True:
-            job = inbox.get()
-            if job is None:
+            transfer = inbox.get()
+            if transfer is None:
                 if outbox is not None:
                     outbox.put(None)
                 return
             if self.error is None:
                 try:
-                    fn(job)
+                    fn(transfer)
                 except BaseException as exc:  # kept for the training thread
-                    self._fail(exc, job)
+                    self._fail(exc, transfer)
             if self.error is not None:
                 self._done()
                 continue
             if outbox is not None:
-                outbox.put(job)
+                outbox.put(transfer)
             else:
                 self._done()
 
@@ -195,75 +162,86 @@ class Pipeline:
             self._pending -= 1
             self._idle.notify_all()
 
-    def _fail(self, exc, job):
+    def _fail(self, exc, transfer):
         if self.error is None:
-            self.error_where = "%s, step %d" % (_label(job.key), job.step)
+            self.error_where = "%s, step %d" % (transfer.label, transfer.step)
             self.error = exc
             self._on_error(exc, self.error_where)
         with self._idle:
             self._idle.notify_all()
 
-    def _encode(self, job):
-        b = job.buffers
-        if not job.compressed:
+    def _encode(self, t):
+        b = t.buffers
+        if not t.compressed:
             b.grad_buf.for_read()
         elif b.device is not None:
             t0 = time.perf_counter()
-            b.bit_send.for_read()  # encoded by NDArray ops queued on the training thread
-            job.t_proc += time.perf_counter() - t0
+            b.bit_buf.for_read()  # encoded by NDArray ops queued on the training thread
+            t.t_proc += time.perf_counter() - t0
         else:
             grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
-                                     b.bit_send.for_write())
-            checked = job.check is not None and job.check.nonfinite == 0
+                                     b.bit_buf.for_write())
+            checked = t.check is not None and t.check.nonfinite == 0
             t0 = time.perf_counter()
             try:
-                if job.check is not None and job.check.nonfinite:
+                if t.check is not None and t.check.nonfinite:
                     raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
                 b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,
                                grad_checked=checked)
             except NonFiniteGradientError:
                 lanes.fill(np.nan)
-                job.nonfinite = True
-            job.t_proc += time.perf_counter() - t0
+                t.nonfinite = True
+            t.t_proc += time.perf_counter() - t0
 
-    def _communicate(self, job):
-        b = job.buffers
-        if job.compressed:
-            wire, send, recv = b.bit_key, b.bit_send, b.bit_recv
-        else:
-            wire, send, recv = b.fp_key, b.grad_buf, b.agg
-        job.t_start = time.perf_counter()
-        job.handle = self.transport.push_pull(wire, send, recv)
-        if job.serial:
-            job.handle.wait()
-            job.t_comm = job.handle.elapsed or time.perf_counter() - job.t_start
+    def _communicate(self, t):
+        wire, send, recv = t.wire
+        t.t_start = time.perf_counter()
+        t.handle = self.transport.push_pull(wire, send, recv)
+        if t.serial:
+            t.handle.wait()
+            t.t_comm = t.handle.elapsed or time.perf_counter() - t.t_start
 
-    def _complete(self, job):
-        b = job.buffers
-        job.handle.wait()
-        if job.t_comm is None:
-            job.t_comm = job.handle.elapsed or time.perf_counter() - job.t_start
+    def _complete(self, t):
+        b = t.buffers
+        t.handle.wait()
+        if t.t_comm is None:
+            t.t_comm = t.handle.elapsed or time.perf_counter() - t.t_start
         n = self.transport.num_workers
-        received = b.bit_recv if job.compressed else b.agg
+        _, _, received = t.wire
         if not np.isfinite(received.for_read()).all():
             raise NonFiniteAggregateError(
                 "%s, step %d: the gradient summed over workers holds NaN/Inf (this worker's "
                 "own gradient %s); no weights were updated. Lower the learning rate or clip "
-                "gradients." % (_label(job.key), job.step,
-                                "did" if job.nonfinite else "was finite"))
-        if job.compressed and b.device is not None:
+                "gradients." % (t.label, t.step, "did" if t.nonfinite else "was finite"))
+        if t.compressed and b.device is not None:
             t0 = time.perf_counter()
-            b.device.decode(b.bit_recv.nd, b.size, n, out=b.agg.nd)
+            b.device.decode(b.bit_sum.nd, b.size, n, out=b.agg.nd)
             b.agg.for_read()
-            job.t_proc += time.perf_counter() - t0
-        elif job.compressed and not job.decode_in_update:
-            lanes, agg = b.bit_recv.for_read(), b.agg.for_write()
+            t.t_proc += time.perf_counter() - t0
+        elif t.compressed and not t.decode_in_update:
+            lanes, agg = b.bit_sum.for_read(), b.agg.for_write()
             t0 = time.perf_counter()
             b.codec.decode(lanes, b.size, n, out=agg)
-            job.t_proc += time.perf_counter() - t0
-        self._finish(job)
+            t.t_proc += time.perf_counter() - t0
+        self._finish(t)
 
 
-def _label(key):
-    """How messages name a job: 'key 3', or a fused bucket's own label."""
-    return getattr(key, "label", None) or "key %r" % (key,)
+@dataclass
+class TransferStats:
+    """Bytes and seconds of the finished transfers (each counted once, pushed and pulled)."""
+
+    wire: int = 0  # bytes sent, each direction (the sum comes back at the same size)
+    fp32: int = 0  # bytes the same gradients would be in float32
+    comm_s: float = 0.0
+    compress_s: float = 0.0
+    transfers: int = 0
+    compressed_transfers: int = 0
+
+    def add(self, t):
+        _, send, _ = t.wire
+        self.wire += send.nbytes
+        self.fp32 += t.buffers.nbytes
+        self.comm_s += t.t_comm
+        self.compress_s += t.t_proc
+        self.transfers += 1
+        self.compressed_transfers += int(t.compressed)

@@ -14,7 +14,7 @@ to memory.
 import mxnet as mx
 import numpy as np
 
-from ._threads import check_num_threads
+from .env import check_num_threads
 from .codecs.base import kernels
 from .transport import Buffer
 

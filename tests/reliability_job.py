@@ -179,13 +179,14 @@ def main():
 
 def _global_state(kv):
     """Versions and checksum of the global weights (glo_buf) as they are after an error."""
-    backup = getattr(kv, "_backup", None)
-    if backup is None:
+    agg = getattr(kv, "_agg", None)
+    if agg is None:
         return {}
+    backup = agg.backup
     h = hashlib.sha256()
     finite = True
     versions = []
-    for key in sorted(kv._keys):
+    for key in sorted(agg.planner.keys):
         w = backup.glo_buf(key).asnumpy()
         finite = finite and bool(np.isfinite(w).all())
         h.update(w.tobytes())

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 
 import training_helpers as th
-from slimgc_mx.backup import BackupTimeout, LocalUpdater, ModelBackup, clone_optimizer
+from slimgc_mx.backup import BackupTimeout, ModelBackup
 from slimgc_mx.pipeline import PipelineError
 from slimgc_mx.sgd import SGDKernel
-from slimgc_mx.transport import EngineNotifier
+from slimgc_mx.transport import ArrayOps, EngineNotifier
+from slimgc_mx.update import LocalUpdater, clone_optimizer
 
 
 def _backup(enabled=True, timeout=5.0, engine=None):
-    b = ModelBackup(enabled, timeout, engine)
+    b = ModelBackup(enabled, timeout, ArrayOps(engine))
     b.add("w", mx.nd.array([1.0, 2.0, 3.0]))
     return b
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slimgc_mx import _threads, codecs
+from slimgc_mx import codecs, env
 from slimgc_mx.codecs import fourbit
 
 LANE_CODECS = ["1bit", "2bit", "4bit"]
@@ -317,14 +317,14 @@ def test_bad_threshold_names_the_fix(bad):
 
 
 def test_threads_setting(monkeypatch):
-    monkeypatch.setenv(_threads.ENV_VAR, "3")
+    monkeypatch.setenv(env.NUM_THREADS_VAR, "3")
     assert codecs.create("2bit").num_threads == 3
-    monkeypatch.setenv(_threads.ENV_VAR, "zero")
-    with pytest.raises(ValueError, match=_threads.ENV_VAR):
+    monkeypatch.setenv(env.NUM_THREADS_VAR, "zero")
+    with pytest.raises(ValueError, match=env.NUM_THREADS_VAR):
         codecs.create("2bit")
-    monkeypatch.delenv(_threads.ENV_VAR)
+    monkeypatch.delenv(env.NUM_THREADS_VAR)
     c = codecs.create("2bit")
-    assert c.num_threads == _threads.available_cpus()
+    assert c.num_threads == env.available_cpus()
     c.num_threads = 2
     assert c.num_threads == 2
     for bad in (0, -1, 1.5, "2"):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from mxnet.base import _LIB, check_call
 
-from slimgc_mx import transport
-from slimgc_mx.models import get_model
+from slimgc_mx.transport import buffers as transport
+from slimgc_mx.bench.models import get_model
 from slimgc_mx.transport import Buffer, copy_array
 
 

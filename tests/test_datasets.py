@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from slimgc_mx.datasets import DATASETS, info, load, shard_indices
+from slimgc_mx.bench.datasets import DATASETS, info, load, shard_indices
 
 
 @pytest.mark.parametrize("n,workers", [(10, 1), (10, 3), (1437, 2), (4000, 4), (7, 7)])

@@ -7,11 +7,13 @@ from mxnet import gluon
 
 import slimgc_mx
 import training_helpers as th
-from slimgc_mx.fusion import FUSED_KEY_BASE, FusedRoute
+from slimgc_mx.grad_buf import KeyBuffers
 from slimgc_mx.kvstore import SlimGC
-from slimgc_mx.pipeline import KeyBuffers
+from slimgc_mx.planner import FusedRoute
 from slimgc_mx.threshold import CTTab
 from slimgc_mx.transport import Buffer
+from slimgc_mx.transport.keys import FUSED_BASE as FUSED_KEY_BASE
+from slimgc_mx.transport.keys import WireKeys
 
 
 def _net(seed=0, prefix=None):
@@ -37,6 +39,7 @@ class _Servers:
     def __init__(self, num_servers):
         self.num_servers = num_servers
         self.declared = []
+        self.keys = WireKeys()
 
     def declare(self, wire_key, buf):
         self.declared.append((wire_key, buf.nbytes))
@@ -171,7 +174,7 @@ def test_nan_in_a_fused_bucket_fails_every_worker_without_updating_any_member():
             kv.pushpull(k, mx.nd.array(grad), out=w)
         with pytest.raises(PipelineError) as info:
             kv.pushpull(0, mx.nd.ones(sizes[0]), out=weights[0])
-        after = [kv._backup.glo_buf(k).asnumpy() for k in range(len(sizes))]
+        after = [kv._agg.backup.glo_buf(k).asnumpy() for k in range(len(sizes))]
         stats = kv.stats()
         kv.close()
         return info.value, before, after, stats

@@ -21,7 +21,8 @@ from slimgc_mx.backup import BackupTimeout
 from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.pipeline import PipelineError
 from slimgc_mx.threshold import NEVER
-from slimgc_mx.transport import LocalTransport, ThreadGroup, _bigarray_bound
+from slimgc_mx import env
+from slimgc_mx.transport import BIGARRAY_BOUND, LocalTransport, ThreadGroup
 
 
 def _net(seed=0):
@@ -325,7 +326,7 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
         kv.pushpull(0, mx.nd.array(grad), out=w)  # the failure surfaces at the next call
         with pytest.raises(PipelineError) as info:
             kv.pushpull(0, mx.nd.ones(size), out=w)
-        after = kv._backup.glo_buf(0).asnumpy()
+        after = kv._agg.backup.glo_buf(0).asnumpy()
         param = w.asnumpy()
         kv.close()
         return info.value, before, after, param
@@ -351,21 +352,21 @@ def test_backup_local_update_checks_the_gradient_for_the_encoder():
         kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
         w = mx.nd.ones(size)
         kv.broadcast(0, w, out=w)
-        b = kv._keys[0]
+        b = kv._agg.planner.keys[0]
         checked, encode = [], b.codec.encode
         b.codec.encode = lambda *a, **k: (checked.append(k.get("grad_checked")), encode(*a, **k))[1]
         grad = np.linspace(-1, 1, size).astype(np.float32) * (rank + 1)
         kv.pushpull(0, mx.nd.array(grad), out=w)
         kv.pushpull(0, mx.nd.array(grad), out=w)
-        kv._pipeline.wait_idle(30)
+        kv._agg.pipeline.wait_idle(30)
         residual = b.residual.for_read().copy()
-        glo = kv._backup.glo_buf(0).asnumpy()
+        glo = kv._agg.backup.glo_buf(0).asnumpy()
         if rank == 1:
             grad[7] = np.nan
         kv.pushpull(0, mx.nd.array(grad), out=w)
         with pytest.raises(PipelineError) as info:
             kv.pushpull(0, mx.nd.ones(size), out=w)
-        after = (b.residual.for_read().copy(), kv._backup.glo_buf(0).asnumpy())
+        after = (b.residual.for_read().copy(), kv._agg.backup.glo_buf(0).asnumpy())
         kv.close()
         return checked, info.value, residual, glo, after
 
@@ -460,7 +461,7 @@ def test_keys_enter_the_pipeline_as_their_gradients_become_ready(monkeypatch):
     original = Pipeline._encode
 
     def recording(self, job):
-        order.append(job.key)
+        order.append(job.pushes[0].key)
         return original(self, job)
 
     monkeypatch.setattr(Pipeline, "_encode", recording)
@@ -492,7 +493,7 @@ def test_consistency_audit_names_the_first_diverging_parameter():
                 kv.pushpull(k, mx.nd.ones(ws[k].shape), out=ws[k])
         ok = [w.asnumpy().copy() for w in ws]
         if rank == 1:  # corrupt this worker's global copy of key 1
-            kv._backup.glo_buf(1)[:] = 5
+            kv._agg.backup.glo_buf(1)[:] = 5
         with pytest.raises(WeightDivergenceError, match=r"parameter 1 differ") as info:
             kv.pushpull(0, mx.nd.ones(4), out=ws[0])  # step 2: the audit runs first
         kv.close()
@@ -526,6 +527,10 @@ def test_a_bad_bigarray_bound_names_the_variable(raw):
                        % raw):
         _bigarray_bound(raw)
     assert _bigarray_bound(" 32 ") == 32
+
+
+def _bigarray_bound(raw):
+    return env.bigarray_bound(BIGARRAY_BOUND, {env.BIGARRAY_BOUND_VAR: raw})
 
 
 _ENGINE_JOB = """

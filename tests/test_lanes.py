@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from slimgc_mx import codecs
-from slimgc_mx.codecs import base
+from slimgc_mx.codecs import base, layout
+from slimgc_mx.codecs import lanes as lane_codecs
 
 
 @pytest.mark.parametrize("levels", [2, 3, 181])
@@ -72,22 +73,22 @@ def test_num_workers_must_be_a_positive_integer(bad):
 
 def test_kernel_constants_match_the_python_side():
     k = base.kernels()
-    assert k.chunk_lanes == base.CHUNK_LANES
-    assert k.row_width == base.ROW
+    assert k.chunk_lanes == layout.CHUNK_LANES
+    assert k.row_width == layout.ROW
 
 
 def test_chunk_sum_is_sequential_within_and_across_chunks():
     rng = np.random.default_rng(3)
     k = 2
-    v = rng.random(base.CHUNK_LANES * k * 2 + 5) * 10.0 ** rng.integers(-8, 8, 4101)
+    v = rng.random(layout.CHUNK_LANES * k * 2 + 5) * 10.0 ** rng.integers(-8, 8, 4101)
     expected = 0.0
-    block = base.CHUNK_LANES * k
+    block = layout.CHUNK_LANES * k
     for start in range(0, v.size, block):
         s = 0.0
         for x in v[start:start + block].tolist():
             s += x
         expected += s
-    assert base.chunk_sum(v, k) == expected
+    assert lane_codecs.chunk_sum(v, k) == expected
 
 
 @pytest.mark.parametrize("radix", [2, 3, 5, 9, 13, 181])
@@ -103,12 +104,12 @@ def test_decoder_division_is_exact_up_to_the_largest_lane(radix):
         k -= 1
     rng = np.random.default_rng(radix)
     top = radix ** k
-    for m in range(1, min(base.ROW, k) + 1):
+    for m in range(1, min(layout.ROW, k) + 1):
         rm = radix ** m
-        if rm > base.MAX_ROWS:
+        if rm > lane_codecs.MAX_ROWS:
             break
         s = np.arange(rm)
-        rows = np.zeros((rm, base.ROW), np.float32)
+        rows = np.zeros((rm, layout.ROW), np.float32)
         rows[:, :m] = (s[:, None] // radix ** np.arange(m)[None, :]) % radix
         q_top = (top - 1) // rm
         lanes = [0, 1, top - 1, top - 2, rm - 1, rm]

@@ -3,7 +3,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from slimgc_mx.models import MODELS, count_params, get_model
+from slimgc_mx.bench.models import MODELS, count_params, get_model
 
 SHAPES = {"mlp": (40,), "fc": (3, 32, 32), "cnn1d": (40,), "resnet20": (3, 32, 32), "vgg": (3, 32, 32)}
 

@@ -5,7 +5,7 @@ import pytest
 
 import training_helpers as th
 from slimgc_mx import codecs, sgd
-from slimgc_mx.backup import clone_optimizer
+from slimgc_mx.update import clone_optimizer
 from slimgc_mx.codecs.base import kernels
 from slimgc_mx.sgd import SGDKernel
 

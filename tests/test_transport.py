@@ -3,8 +3,9 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from slimgc_mx import transport as tr
-from slimgc_mx.transport import Buffer, DistTransport, engine_threads_warning, piece_bounds
+from slimgc_mx.transport import keys
+from slimgc_mx.transport import Buffer, DistTransport, piece_bounds
+from slimgc_mx.transport.dist import engine_threads_warning
 
 
 @pytest.mark.parametrize("size, itemsize, piece_bytes", [
@@ -78,7 +79,7 @@ def test_a_large_buffer_travels_as_pieces_with_their_own_wire_keys():
     t.declare(7, send)
     t.declare(10, small)  # fits one piece: declared whole, under its own key
     assert t.pieces_declared == 3
-    base = tr._PIECE_KEY_BASE
+    base = keys.PIECE_BASE
     assert [c for c in t._kv.calls if c[0] == "init"] == [
         ("init", base, 10), ("init", base + 1, 10), ("init", base + 2, 5), ("init", 10, 10)]
     t._kv.calls.clear()
@@ -96,8 +97,8 @@ def test_a_large_buffer_travels_as_pieces_with_their_own_wire_keys():
 def test_piece_keys_are_bounded_and_cannot_be_declared_directly(monkeypatch):
     t = _transport(piece_bytes=8)
     with pytest.raises(ValueError, match="collides with control or piece keys"):
-        t.declare(tr._PIECE_KEY_BASE + 3, Buffer((4,), np.float64))
-    monkeypatch.setattr(tr, "_PIECE_KEY_END", tr._PIECE_KEY_BASE + 5)
+        t.declare(keys.PIECE_BASE + 3, Buffer((4,), np.float64))
+    monkeypatch.setattr(keys, "PIECE_END", keys.PIECE_BASE + 5)
     t.declare(1, Buffer((4,), np.float64))
     with pytest.raises(ValueError, match=r"raise piece_bytes \(SLIMGC_PIECE_BYTES\) or set it to 0"):
         t.declare(2, Buffer((4,), np.float64))

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -20,8 +21,7 @@ import time
 from typing import Dict, List, Optional
 
 from .. import launch
-from .._threads import env_count
-from ..servers import SERVER_ENV
+from ..env import LAUNCH_INDEX_VAR, SERVER_ENV, env_count
 
 DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, time "
                "composition, CTTab, accuracy vs MXNet's own baselines")
@@ -307,25 +307,17 @@ class _Probe:
 def run_job(argv: List[str]) -> int:
     """`_job PROBE_JSON START STEPS IFACE -- TRAIN_ARGS`: what every node runs."""
     import mxnet  # noqa: F401  (scheduler and servers run their loop here and exit)
-    from mxnet import gluon
     probe_path, start, steps, iface = argv[0], int(argv[1]), int(argv[2]), argv[3]
     train_args = argv[argv.index("--") + 1:]
     probe = _Probe(start, steps, iface)
-    original = gluon.Trainer.step
-
-    def step(self, *a, **k):
-        probe.on_step(self)
-        return original(self, *a, **k)
-
-    gluon.Trainer.step = step
     import importlib.util
     spec = importlib.util.spec_from_file_location("slimgc_train_job", TRAIN)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    result = train.main(train_args)
+    result = train.main(train_args, on_step=probe.on_step)
     rec = probe.result()
     rec["rank"] = result.get("rank")
-    rec["launch_index"] = int(os.environ.get("SLIMGC_LAUNCH_INDEX", "0"))
+    rec["launch_index"] = int(os.environ.get(LAUNCH_INDEX_VAR, "0"))
     rec["final_test_acc"] = result.get("final_test_acc")
     rec["history"] = result.get("history")
     stats = result.get("kvstore_stats") or {}
@@ -389,7 +381,7 @@ def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
                         t.env.pop(name, None)
     else:  # no-comm: just the workers, no scheduler or servers, no DMLC roles
         plan = [launch.Task("worker", i, None, launch.LocalRunner(),
-                            {"PYTHONUNBUFFERED": "1", "SLIMGC_LAUNCH_INDEX": str(i)})
+                            {"PYTHONUNBUFFERED": "1", LAUNCH_INDEX_VAR: str(i)})
                 for i in range(workers)]
         if ENGINE_THREADS not in os.environ:  # the launcher's engine threads, as the others get
             for t in plan:
@@ -405,10 +397,29 @@ def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
     return plan
 
 
+def job_command(probe_dir: str, start: int, window: int, iface: str, train_args: List[str],
+                build: Optional[str] = None) -> List[str]:
+    """The shell command every process runs: each worker writes the probe file of its own
+    launch index (the shell expands it). `build`: run another checkout's code instead."""
+    probe = shlex.quote(os.path.join(probe_dir, "worker")) + '"$%s".json' % LAUNCH_INDEX_VAR
+    job = "%s -m slimgc_mx.bench.cluster _job %s %d %d %s -- %s" % (
+        shlex.quote(sys.executable), probe, start, window, iface, shlex.join(train_args))
+    if build is not None:
+        job = "cd %s && PYTHONPATH=%s exec %s" % (shlex.quote(build), shlex.quote(build), job)
+    else:
+        job = "exec " + job
+    return [job]
+
+
 def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
-               seed: int = 0, repeat: int = 0) -> dict:
-    """Run one configuration once; returns its summary (also written as NAME.json)."""
-    tag = name if opts.mode == "throughput" else "%s.seed%d" % (name, seed)
+               seed: int = 0, repeat: int = 0, build: Optional[tuple] = None) -> dict:
+    """Run one configuration once; returns its summary (also written as NAME.json).
+
+    build: (label, checkout) to run another checkout's code; the record's config is
+    then NAME@label.
+    """
+    label = name if build is None else "%s@%s" % (name, build[0])
+    tag = label if opts.mode == "throughput" else "%s.seed%d" % (label, seed)
     if getattr(opts, "repeats", 1) > 1:
         tag += ".r%d" % repeat
     probe_dir = os.path.join(outdir, tag + ".probe")
@@ -429,28 +440,23 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
         start, window = 1, 1
     train_args += opts.train_arg
     iface = NODE_IFACE if cluster is not None else "lo"
-    command = [sys.executable, "-m", "slimgc_mx.bench.cluster", "_job",
-               os.path.join(probe_dir, "worker{idx}.json"), str(start), str(window), iface,
-               "--"] + train_args
+    command = job_command(probe_dir, start, window, iface, train_args,
+                          None if build is None else build[1])
     comm = name != "no-comm"
-    # Each worker writes its own probe file: the launch index is substituted per task.
     plan = build_tasks(cluster, opts.workers, opts.servers, command, comm,
                        stock_servers=not name.startswith("slimgc-"))
     env = {"SLIMGC_WARMUP_STEPS": str(opts.slimgc_warmup)}
     env["OMP_NUM_THREADS"] = str(opts.threads)
     for t in plan:
         t.env.update(env)
-    cmd_per_task = {}
-    for t in plan:
-        cmd_per_task[id(t)] = [c.replace("{idx}", str(t.index)) for c in command]
     log_path = os.path.join(outdir, tag + ".log")
     load_before = os.getloadavg()
     t0 = time.monotonic()
-    job = _TaskCommandJob(plan, cmd_per_task, ROOT, linger=opts.linger, kill_grace=3.0)
+    job = launch.LaunchedJob(plan, command, ROOT, linger=opts.linger, kill_grace=3.0)
     with _output_to(log_path):
         status = job.run()
     wall = time.monotonic() - t0
-    summary = summarize(name, opts, probe_dir, status, wall, cluster is not None, seed)
+    summary = summarize(label, opts, probe_dir, status, wall, cluster is not None, seed)
     # Load average of the machine before and after (1-min): other work on the machine
     # competes for the same cores and shows up here.
     summary["loadavg_1min"] = [load_before[0], os.getloadavg()[0]]
@@ -459,33 +465,6 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
     with open(os.path.join(outdir, tag + ".json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary
-
-
-class _TaskCommandJob(launch.Job):
-    """launch.Job with a per-task command (each worker names its own probe file)."""
-
-    def __init__(self, plan, commands, cwd, linger, kill_grace):
-        super().__init__(plan, None, cwd, linger, kill_grace)
-        self.commands = commands
-
-    def _start_all(self):
-        runners = {}
-        for t in self.plan:
-            runners[id(t)] = t.runner
-            t.runner = _Bound(t.runner, self.commands[id(t)])
-        try:
-            super()._start_all()
-        finally:
-            for t in self.plan:
-                t.runner = runners[id(t)]
-
-
-class _Bound(launch.Runner):
-    def __init__(self, runner, command):
-        self.runner, self.command = runner, command
-
-    def start(self, node, command, env, cwd):
-        return self.runner.start(node, self.command, env, cwd)
 
 
 # ---------------------------------------------------------------- summaries
@@ -663,6 +642,10 @@ def parse_args(argv, prog):
     p.add_argument("--out", default=None,
                    help="result folder (default: results/cluster/MODEL-WORKERSw-BANDWIDTH or "
                         "results/accuracy/MODEL-WORKERSw)")
+    p.add_argument("--build", action="append", default=[], metavar="LABEL=DIR",
+                   help="also run every configuration with the code of another checkout DIR "
+                        "(its kernels built in place), interleaved with this one's; its rows "
+                        "are CONFIG@LABEL, e.g. --build before=../old-checkout (default: none)")
     p.add_argument("--no-netns", action="store_true",
                    help="run on loopback without namespaces or rate limits (no root needed; "
                         "bytes are then not measured)")
@@ -706,6 +689,14 @@ def parse_args(argv, prog):
             and opts.warmup < opts.slimgc_warmup + 2):
         p.error("--warmup must be at least --slimgc-warmup + 2 so the window starts after the "
                 "threshold table is built")
+    opts.builds = [None]
+    for item in opts.build:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not os.path.isfile(os.path.join(path, "scripts", "train.py")):
+            p.error("--build %r: expected LABEL=DIR with DIR a checkout of this project" % item)
+        opts.builds.append((label, os.path.abspath(path)))
+    opts.labels = [c if b is None else "%s@%s" % (c, b[0])
+                   for c in opts.config_list for b in opts.builds]
     opts.seed_list = [int(s) for s in opts.seeds.split(",") if s.strip()]
     if opts.out is None:
         bw = opts.bandwidth or "unlimited"
@@ -758,6 +749,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
               "worker_engine_threads": opts.engine_threads,
               # SLIMGC_* options every process inherits from the caller (the warm-up steps
               # are slimgc_warmup_steps: the harness sets them per process)
+              "builds": {b[0]: b[1] for b in opts.builds if b is not None},
               "slimgc_environment": {k: v for k, v in sorted(os.environ.items())
                                      if k.startswith("SLIMGC_")},
               "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -785,13 +777,16 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
                     opts.servers, opts.workers, opts.bandwidth, opts.delay))
             seeds = opts.seed_list if opts.mode == "accuracy" else [0]
             repeats = opts.repeats if opts.mode == "throughput" else 1
-            runs = [(c, s, k) for s in seeds for k in range(repeats) for c in opts.config_list]
-            for k, (name, seed, rep) in enumerate(runs, 1):
-                label = name if opts.mode == "throughput" else "%s seed %d" % (name, seed)
+            runs = [(c, s, k, b) for s in seeds for k in range(repeats) for c in opts.config_list
+                    for b in opts.builds]
+            for k, (name, seed, rep, build) in enumerate(runs, 1):
+                label = name if build is None else "%s@%s" % (name, build[0])
+                if opts.mode != "throughput":
+                    label += " seed %d" % seed
                 if repeats > 1:
                     label += " (run %d/%d)" % (rep + 1, repeats)
                 print("[%d/%d] %s ..." % (k, len(runs), label), end=" ", flush=True)
-                rec = run_config(name, opts, cluster, opts.out, seed, rep)
+                rec = run_config(name, opts, cluster, opts.out, seed, rep, build)
                 rec["repeat"] = rep
                 results.append(rec)
                 if rec.get("status", 0) >= 128:  # the job was interrupted: stop here
@@ -821,14 +816,42 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
         if opts.mode == "throughput":
             if opts.repeats > 1:
                 summary.update(repeats=opts.repeats, runs=results,
-                               results=merge_repeats(results, opts.config_list))
+                               results=merge_repeats(results, opts.labels))
             add_derived(summary)
+            summary["build_ratios"] = build_ratios(results, opts.config_list, opts.builds)
         with open(os.path.join(opts.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
         print("wrote %s" % os.path.join(opts.out, "summary.json"), flush=True)
     if opts.mode == "throughput" and results:
         print(format_table(summary))
+        for line in format_build_ratios(summary.get("build_ratios") or {}):
+            print(line)
     return status
+
+
+def build_ratios(records: List[dict], configs: List[str], builds) -> Dict[str, dict]:
+    """Per configuration and other build: this checkout's samples/s over the other's, per
+    round (the runs of one repeat are side by side) and of the medians."""
+    out = {}
+    for name in configs:
+        mine = {r.get("repeat", 0): r.get("samples_per_s_per_worker") for r in records
+                if r["config"] == name and r.get("ok")}
+        for build in builds[1:]:
+            label = "%s@%s" % (name, build[0])
+            theirs = {r.get("repeat", 0): r.get("samples_per_s_per_worker") for r in records
+                      if r["config"] == label and r.get("ok")}
+            rounds = [mine[k] / theirs[k] for k in sorted(mine) if theirs.get(k)]
+            med = (statistics.median(mine.values()) / statistics.median(theirs.values())
+                   if mine and theirs else None)
+            out[label] = {"per_round": rounds, "of_medians": med}
+    return out
+
+
+def format_build_ratios(ratios: Dict[str, dict]) -> List[str]:
+    return ["%s: this checkout / %s = %s per round, %s of the medians"
+            % (label.split("@")[0], label.split("@")[1],
+               ", ".join("%.3f" % x for x in r["per_round"]) or "-", _fmt(r["of_medians"], "%.3f"))
+            for label, r in ratios.items()]
 
 
 def merge_repeats(records: List[dict], configs: List[str]) -> List[dict]:

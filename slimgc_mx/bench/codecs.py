@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from .. import codecs
-from .._threads import available_cpus, default_num_threads
+from ..env import available_cpus, default_num_threads
 
 DESCRIPTION = "codec encode/decode throughput vs memcpy and the NumPy reference; wire bits"
 WIRE_WORKERS = (1, 2, 4, 8, 16, 32)

@@ -8,7 +8,9 @@ decode() picks the NEXT push's group from (trailer sum) / N. The first push uses
 """
 import numpy as np
 
-from .base import Codec, kernels
+from .base import kernels
+from .lanes import LaneCodec, LaneReference
+from .registry import register
 
 #: Table 1 thresholds X1..X7 of each group, in units of 0.01.
 GROUPS = {
@@ -41,7 +43,8 @@ _KERNEL_ARGS = {g: (group_thresholds(g), np.array((0,) + u, dtype=np.intc))
                 for g, u in GROUPS.items()}
 
 
-class FourBit(Codec):
+@register
+class FourBit(LaneCodec):
     """Paper-exact 4bit with per-key threshold groups agreed through decode().
 
     `threshold` is accepted for a uniform create() call and ignored: Table 1 decides.
@@ -79,3 +82,32 @@ class FourBit(Codec):
             kernels().encode_4bit(grad, residual, out, self._powers(radix, k), thresholds,
                                   units, MAX_UNITS, self.num_threads, grad_checked),
             grad, residual, out)
+
+    def device_levels(self, c, nd, const):
+        a = nd.abs(c)
+        idx = None
+        for x in group_thresholds(self.group).tolist():
+            step = a >= x
+            idx = step if idx is None else idx + step
+        units = const("units", self.group,
+                      lambda: nd.array((0,) + GROUPS[self.group], ctx=c.context,
+                                       dtype=np.float32))
+        u = nd.take(units, idx)
+        return nd.where(c < 0.0, MAX_UNITS - u, u + MAX_UNITS)
+
+    def device_statistic(self, grad, compensated):
+        return grad
+
+
+@register(reference=True)
+class FourBitReference(LaneReference, FourBit):
+    def _levels(self, c):
+        a = np.abs(c)
+        idx = np.zeros(c.shape[0], dtype=np.int64)
+        for x in group_thresholds(self.group):
+            idx += a >= x
+        u = np.array((0,) + GROUPS[self.group], dtype=np.int64)[idx]
+        return MAX_UNITS + np.where(c < 0, -u, u)
+
+    def _statistic(self, grad, c):
+        return np.abs(grad).astype(np.float64)

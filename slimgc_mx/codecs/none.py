@@ -1,11 +1,18 @@
 """none: full-precision passthrough; the lanes are the float32 gradient itself."""
 import numpy as np
 
-from .base import Codec, check_num_workers, kernels
+from .base import check_disjoint, check_num_workers, check_vector, kernels, raise_nonfinite
+from .lanes import LaneCodec
+from .registry import register
 
 
-class NoneCodec(Codec):
-    """Sends grad (+ residual, which it then zeroes) as float32; decode returns the sum."""
+@register
+class NoneCodec(LaneCodec):
+    """Sends grad (+ residual, which it then zeroes) as float32; decode returns the sum.
+
+    A lane codec with one float32 element per lane and no levels: error feedback's
+    flush (the residual goes out with the gradient) is all it does.
+    """
 
     name = "none"
     wire_dtype = np.dtype(np.float32)
@@ -25,3 +32,17 @@ class NoneCodec(Codec):
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         np.copyto(out, lanes_sum)
+
+    def device_levels(self, c, nd, const):
+        raise TypeError("codec 'none' has no levels: it sends the float32 values")
+
+
+@register(reference=True)
+class NoneReference(NoneCodec):
+    is_reference = True
+
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+        c = self.feedback.compensate(grad, residual)
+        if not np.isfinite(c).all():
+            raise_nonfinite(grad, residual)
+        self.feedback.flush(grad, residual, out)

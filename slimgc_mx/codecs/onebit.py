@@ -7,10 +7,13 @@ push has s = 0: it sends only the statistic and error feedback keeps the gradien
 """
 import numpy as np
 
-from .base import Codec, kernels
+from .base import kernels
+from .lanes import LaneCodec, LaneReference
+from .registry import register
 
 
-class OneBit(Codec):
+@register
+class OneBit(LaneCodec):
     """Sign codec, L = 2, shared scale from the previous push's aggregated mean |g + r|.
 
     `threshold` is accepted for a uniform create() call and ignored: the scale adapts.
@@ -47,3 +50,18 @@ class OneBit(Codec):
             kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
                                   np.float32(self.scale), self.num_threads, grad_checked),
             grad, residual, out)
+
+    def device_levels(self, c, nd, const):
+        return c >= 0.0
+
+    def device_statistic(self, grad, compensated):
+        return compensated
+
+
+@register(reference=True)
+class OneBitReference(LaneReference, OneBit):
+    def _levels(self, c):
+        return (c >= 0).astype(np.int64)
+
+    def _statistic(self, grad, c):
+        return np.abs(c).astype(np.float64)

@@ -1,10 +1,13 @@
 """2bit (MXNet semantics): r += g; r >= t -> +t, r <= -t -> -t, else 0; r keeps the rest."""
 import numpy as np
 
-from .base import Codec, kernels
+from .base import kernels
+from .lanes import LaneCodec, LaneReference
+from .registry import register
 
 
-class TwoBit(Codec):
+@register
+class TwoBit(LaneCodec):
     """Levels q = 0, 1, 2 decode to -t, 0, +t: value = t * (q - 1), L = 3."""
 
     name = "2bit"
@@ -20,3 +23,14 @@ class TwoBit(Codec):
             kernels().encode_2bit(grad, residual, out, self._powers(radix, k),
                                   np.float32(self._threshold), self.num_threads, grad_checked),
             grad, residual, out)
+
+    def device_levels(self, c, nd, const):
+        t = float(np.float32(self._threshold))
+        return (c >= t) - (c <= -t) + 1.0
+
+
+@register(reference=True)
+class TwoBitReference(LaneReference, TwoBit):
+    def _levels(self, c):
+        t = np.float32(self._threshold)
+        return 1 + (c >= t).astype(np.int64) - (c <= -t).astype(np.int64)

@@ -1,0 +1,294 @@
+"""One worker's SlimGC data path: what happens to a key's gradient at every step.
+
+    wait for glo_buf            the last aggregation of this key has published w_i
+    grad_buf <- gradient        Strategy 2: a CPU copy, consumed when it is ready
+    loc_buf <- w_i - lr * g     Strategy 3: the local update; the trainer goes on
+    route by the CTTab          Strategy 1: fp_buf or bit_buf, or a fused bucket
+    pipeline                    encode -> push/pull -> decode -> glo_buf <- w_{i+1}
+
+The Aggregator composes the parts (planner, pipeline, backup, updates) over a
+transport; kvstore.SlimGC adapts MXNet's calling conventions to it.
+"""
+import logging
+from functools import partial
+
+import numpy as np
+
+from . import agreement, codecs
+from .backup import ModelBackup
+from .grad_buf import GradCheck, Push
+from .pipeline import Pipeline, TransferStats
+from .planner import Planner
+from .threshold import CTTab, NEVER
+from .transport import ArrayOps, Buffer, EngineNotifier, copy_array
+from .update import GlobalUpdate, LocalUpdater, OptSettings
+
+log = logging.getLogger(__name__)
+
+
+class Aggregator:
+    """The keys of one worker and everything between their gradients and glo_buf."""
+
+    def __init__(self, config, transport):
+        self.config = config
+        self.transport = transport
+        cfg = config
+        if cfg.compressor == "none":
+            codec, cttab = None, CTTab(NEVER, cfg.warmup_steps, cfg.cttab_rule)
+        else:
+            codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
+                                  num_threads=cfg.num_threads)
+            cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule)
+        self.cttab = cttab
+        self.codec = codec
+        transport.check_exact_sums()
+        agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
+                                         lanes=self._lane_format(),
+                                         bigarray_bound=transport.bigarray_bound))
+        self.engine = EngineNotifier()
+        self.backup = ModelBackup(cfg.backup, cfg.timeout, ArrayOps(self.engine))
+        self.engine.on_error = partial(self.backup.fail, where="an operator run by MXNet's engine")
+        self.pipeline = Pipeline(transport, self._finish, self.backup.fail, self.engine)
+        self.planner = Planner(cfg, transport, codec, cttab, Buffer, _device_codec,
+                               self.backup.wait_version)
+        self.stats = TransferStats()
+        self.update = None  # GlobalUpdate, once an optimizer is set
+        self._local = None  # LocalUpdater, built at the first local update
+        log.info("slimgc: rank %d/%d, transport %s, %s", transport.rank, transport.num_workers,
+                 transport.kind, cfg)
+
+    def _lane_format(self):
+        if self.codec is None:
+            return "float32"
+        return (self.codec.name, self.codec.wire_bits_per_element(self.transport.num_workers))
+
+    @property
+    def num_workers(self):
+        return self.transport.num_workers
+
+    # -- optimizer -------------------------------------------------------------------------
+    def set_optimizer(self, optimizer):
+        """Run `optimizer` on the aggregated gradients (glo_buf) and in the local update."""
+        self.update = GlobalUpdate(optimizer, self.config.num_threads)
+        self._local = None
+
+    def local_updater(self):
+        if self._local is None:
+            self._local = LocalUpdater.for_update(self.update, self.num_workers, self.config,
+                                                  self.engine)
+        return self._local
+
+    def local_state(self):
+        """The local updater's MXNet Updater states, None before its first use."""
+        return self._local.get_states() if self._local is not None else None
+
+    def load_optimizer_states(self, global_states, local_states):
+        """Restore both updaters' states; the file may hold the optimizer itself."""
+        self.update.set_states(global_states)
+        self._local = None  # rebuilt around the (possibly new) global optimizer
+        if local_states is not None:
+            self.local_updater().set_states(local_states)
+
+    # -- keys ------------------------------------------------------------------------------
+    def add_key(self, key, value):
+        """A new key with rank 0's initial weights `value`: buffers, wire keys, glo_buf."""
+        if key in self.planner.keys:
+            raise ValueError("key %r is already initialized" % (key,))
+        if value.stype != "default":
+            raise TypeError("key %r: slimgc supports dense (default storage) arrays only, "
+                            "got stype %r; use kvstore='dist_sync' for sparse gradients"
+                            % (key, value.stype))
+        if np.dtype(value.dtype) != np.float32:
+            raise TypeError("key %r is %s: slimgc aggregates float32 parameters only; cast the "
+                            "model with net.cast('float32')" % (key, np.dtype(value.dtype)))
+        agreement.check(self.transport, {"key": repr(key), "shape": tuple(value.shape),
+                                         "dtype": str(np.dtype(value.dtype))},
+                        what="key #%d" % len(self.planner.keys))
+        b = self.planner.add(key, value.shape)
+        weight = Buffer(b.shape, np.float32)
+        value.copyto(weight.nd)  # also brings MKLDNN-layout arrays to the default layout
+        self.transport.declare(b.wire.weight, weight)
+        self.transport.broadcast(b.wire.weight, weight)
+        self.backup.add(key, weight.nd)
+
+    # -- the data path ---------------------------------------------------------------------
+    def push(self, key, grads, outs):
+        """One step of `key`: `grads` (per device) in, `outs` get loc_buf or w_{i+1}."""
+        b = self._checked(key, grads)
+        step = self._next_step(key)
+        bucket = self.planner.bucket(key)
+        if bucket is not None and bucket.holds(key):
+            self._submit(bucket.take())  # pushed again before the rest of its bucket
+        self.backup.wait_version(key, step)  # grad_buf and the residual are free again
+        grad = _sum(grads)
+        copy_array(grad, b.grad_buf.nd)
+        push = Push(key, b, step, local=self.config.backup and outs is not None)
+        if push.local:
+            if self.planner.checks_in_local_update(b, step):
+                push.check = GradCheck()
+            self.backup.local_step(key, step, b.grad_buf, outs,
+                                   partial(self.local_updater(), b.index, check=push.check))
+        settings = OptSettings.of(self.update.optimizer)
+        if bucket is None:
+            self._submit(self.planner.transfer(push, settings, self.update.decodes_in_update),
+                         grad)
+        elif bucket.add(push, settings):
+            self._submit(bucket.take())
+        self.planner.steps[key] = step + 1
+        if not self.config.backup and outs is not None:
+            self.backup.write_back(key, step + 1, outs)
+
+    def allreduce(self, key, grads, outs):
+        """No optimizer set: `outs` get the gradient summed over contexts and workers."""
+        b = self._checked(key, grads)
+        step = self._next_step(key)
+        self.backup.wait_version(key, step)
+        grad = _sum(grads)
+        copy_array(grad, b.grad_buf.nd)
+        self._submit(self.planner.transfer(Push(key, b, step, local=False), None, None), grad)
+        self.planner.steps[key] = step + 1
+        self.backup.wait_version(key, step + 1)
+        for o in outs:
+            copy_array(b.agg.nd, o)
+
+    def _checked(self, key, grads):
+        b = self.planner.buffers(key)
+        for g in grads:
+            if tuple(g.shape) != b.shape:
+                raise ValueError("key %r: pushed shape %s differs from the initialized shape %s"
+                                 % (key, tuple(g.shape), b.shape))
+        return b
+
+    def _next_step(self, key):
+        """The step about to be pushed; ends the warm-up and runs the audit when due."""
+        step = self.planner.steps[key]
+        if self.cttab.needs_decision(step):
+            self.decide_threshold()
+        every = self.config.audit_every
+        if every and step and step % every == 0 and self.planner.keys[key].index == 0:
+            self.audit(step)
+        return step
+
+    def _submit(self, transfer, grad=None):
+        b = transfer.buffers
+        if transfer.compressed and b.device is not None:
+            # Offload off: encode with NDArray ops on the gradient's own context, in line.
+            try:
+                b.device.encode(grad, b.residual.nd, self.num_workers, out=b.bit_buf.nd)
+            except codecs.NonFiniteGradientError:
+                b.bit_buf.nd[:] = np.nan
+                transfer.nonfinite = True
+        self.pipeline.submit(transfer)
+
+    def send_pending(self):
+        """Send the fused buckets still waiting for members that were not pushed this step.
+
+        gluon.Trainer calls it after each step's pushes, so a parameter that stops
+        being pushed (grad_req changed to 'null') never holds back the others.
+        Waiting calls (pull, flush, checkpoints) also call it.
+        """
+        for transfer in self.planner.partial_buckets():
+            self._submit(transfer)
+
+    def _finish(self, transfer):
+        """Aggregation thread: account, record timings, update glo_buf, publish."""
+        self.stats.add(transfer)
+        b = transfer.buffers
+        self.cttab.record(transfer.label, b.nbytes, transfer.compressed, transfer.t_comm,
+                          transfer.t_proc, transfer.wire[1].nbytes)
+        published = [(p.key, p.step, p.local) for p in transfer.pushes]
+        if transfer.settings is None:
+            self.backup.publish(published, lambda glos: None)
+            return
+        table = self.update.prepare(transfer, self.num_workers)
+        self.backup.publish(published, partial(self.update, transfer, table))
+
+    # -- collective decisions --------------------------------------------------------------
+    def decide_threshold(self):
+        """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT."""
+        self.pipeline.wait_idle(self.config.timeout)
+        mine = self.cttab.decide()
+        votes = self.transport.allgather([-1.0 if mine == NEVER else float(mine)])
+        chosen = votes[0, 0]
+        self.cttab.adopt(NEVER if chosen < 0 else int(chosen))
+
+    def audit(self, step):
+        """Consistency audit: all workers compare a checksum of every key's global weights."""
+        self.send_pending()
+        self.pipeline.wait_idle(self.config.timeout)
+        param_dict = getattr(self.update.optimizer if self.update else None, "param_dict",
+                             None) or {}
+        weights = {}
+        for key in self.planner.keys:
+            param = param_dict.get(key)
+            name = "%r (%s)" % (key, param.name) if param is not None else repr(key)
+            weights[name] = self.backup.glo_buf(key).asnumpy().tobytes()
+        agreement.audit(self.transport, weights, step)
+
+    # -- reading weights back --------------------------------------------------------------
+    def pull(self, key, outs):
+        """Write the newest global weights of `key` into `outs`."""
+        self.send_pending()
+        self.backup.wait_version(key, self.planner.steps[key])
+        for dst in outs:
+            self.backup.glo_buf(key).copyto(dst)
+
+    def flush(self):
+        """Wait for every aggregation in flight and write the global weights into the parameters."""
+        self.send_pending()
+        self.pipeline.wait_idle(self.config.timeout)
+        self.backup.flush()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def broken(self):
+        """True once an aggregation failed or timed out: peers may be gone or out of step."""
+        return (self.pipeline.error is not None or self.pipeline.timed_out
+                or self.backup.failed)
+
+    def close(self, join):
+        """Stop the pipeline threads (join=False leaves threads stuck on a dead peer)."""
+        self.pipeline.close(join=join)
+        self.backup.close()
+
+
+def report(agg, compressor, pieces):
+    """The numbers SlimGC.stats() returns (see its docstring); zeros before the first key."""
+    cttab = agg.cttab if agg is not None else None
+    best = cttab.best_ct if cttab is not None else None
+    c = agg.stats if agg is not None else TransferStats()
+    fused = agg.planner.fused if agg is not None else None
+    return {
+        "compressor": compressor,
+        "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
+        "comm_threshold_phase": cttab.phase if cttab else None,
+        "bytes_pushed": c.wire,
+        "bytes_pulled": c.wire,
+        "bytes_fp32": c.fp32,
+        "transfers": c.transfers,
+        "compressed_transfers": c.compressed_transfers,
+        "comm_s": c.comm_s,
+        "compress_s": c.compress_s,
+        "blocked_s": agg.backup.blocked_s if agg else 0.0,
+        "cttab": list(cttab.rows) if cttab else [],
+        "cttab_rule": cttab.rule if cttab else None,
+        "cttab_link": cttab.link_report() if cttab else None,
+        "fused_keys": len(fused.keys) if fused is not None else 0,
+        "fused_buckets": len(fused.buckets) if fused is not None else 0,
+        "wire_pieces": pieces,
+    }
+
+
+def _device_codec(codec):
+    from .device import DeviceCodec
+    return DeviceCodec(codec)
+
+
+def _sum(arrays):
+    """Sum of the per-context arrays, on the first one's context."""
+    total = arrays[0]
+    if len(arrays) > 1:
+        total = arrays[0].copy()
+        for a in arrays[1:]:
+            total += a.as_in_context(total.context)
+    return total

@@ -1,0 +1,310 @@
+"""Aggregatable lanes: integer levels packed in floats so that a stock server's sum is exact.
+
+A lane codec maps each element to a level q in [0, L-1] whose value is affine with a
+scale every worker shares: value = scale * (a*q + b). It packs k levels per float64
+lane in radix R = N*(L-1)+1 (R**k <= 2**53), so that the server's float sum of N
+workers' lanes is exactly the packing of the level sums (no carry, no rounding), and
+decode() unpacks digit sums D into scale * (a*D + N*b). A codec whose shared state
+moves (the 1bit scale, the 4bit group) appends trailer lanes with a statistic; every
+worker receives the same sum, so decode() updates every worker's state alike.
+
+LaneCodec drives the compiled kernels; LaneReference is the NumPy implementation of
+the same arithmetic, bitwise equal, the test oracle. A codec file gives `_levels`
+(NumPy), `device_levels` (NDArray ops, for offload off) and its kernel entry point.
+"""
+import functools
+import math
+import numbers
+
+import numpy as np
+
+from .base import (Codec, check_disjoint, check_num_workers, check_vector, kernels,
+                   raise_nonfinite)
+from .layout import CHUNK_LANES, ROW
+
+#: Largest integer below which every integer is exact in float64.
+EXACT_LIMIT = 2 ** 53
+#: Most rows in a decoder table (ROW * 4 bytes each: 512 KiB, an L2 cache's worth).
+MAX_ROWS = 16384
+
+
+def lane_geometry(levels, num_workers, name="codec"):
+    """(R, k): radix R = N*(L-1)+1 and the most digits k with R**k <= 2**53."""
+    n = check_num_workers(num_workers)
+    radix = n * (levels - 1) + 1
+    if radix > EXACT_LIMIT:
+        raise ValueError("%s: %d workers need radix %d > 2**53, so not even one element fits "
+                         "a float64 lane exactly; use fewer workers or codec 'none'"
+                         % (name, n, radix))
+    k, p = 0, 1
+    while p * radix <= EXACT_LIMIT:
+        p *= radix
+        k += 1
+    return radix, k
+
+
+def affine_values(digit_sums, scale, a, b, num_workers):
+    """The decoded sum: float32(double(scale) * (a*D + N*b)) for integer digit sums D."""
+    d = np.asarray(digit_sums, dtype=np.int64)
+    return (scale * (a * d + num_workers * b).astype(np.float64)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_rows(radix, m, scale, a, b, num_workers):
+    s = np.arange(radix ** m, dtype=np.int64)
+    digits = (s[:, None] // (radix ** np.arange(m, dtype=np.int64))[None, :]) % radix
+    rows = np.zeros((radix ** m, ROW), dtype=np.float32)
+    rows[:, :m] = affine_values(digits, scale, a, b, num_workers)
+    rows = rows.ravel()
+    rows.setflags(write=False)
+    return rows
+
+
+def chunk_sum(values, k):
+    """Sum float64 `values` the kernels' way: in order within chunks of CHUNK_LANES*k, then
+    the chunk sums in order; deterministic and independent of the thread count."""
+    n = values.shape[0]
+    if n == 0:
+        return 0.0
+    block = CHUNK_LANES * k
+    nb = -(-n // block)
+    padded = np.zeros(nb * block, dtype=np.float64)
+    padded[:n] = values
+    partials = np.cumsum(padded.reshape(nb, block), axis=1)[:, -1]
+    total = 0.0
+    for p in partials.tolist():
+        total += p
+    return total
+
+
+class LaneCodec(Codec):
+    """A codec whose workers' levels add exactly in float64 lanes.
+
+    Subclasses set `levels` (L), `trailer_lanes` and implement `_affine`, `_encode_into`
+    (the kernel call), `device_levels`, and `_agree` when they carry a trailer statistic.
+    """
+
+    levels = None
+    trailer_lanes = 0
+
+    # ------------------------------------------------------------ geometry
+    def geometry(self, num_workers):
+        """(R, k): lane radix and elements per lane for `num_workers`."""
+        key = ("geometry", check_num_workers(num_workers))
+        if key not in self._cache:
+            self._cache[key] = lane_geometry(self.levels, key[1], self.name)
+        return self._cache[key]
+
+    def lane_count(self, size, num_workers):
+        """Length of the lanes array for `size` elements (trailer lanes included)."""
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
+            raise ValueError("size must be an integer >= 0, got %r" % (size,))
+        _, k = self.geometry(num_workers)
+        return -(-int(size) // k) + self.trailer_lanes
+
+    def wire_bits_per_element(self, num_workers):
+        """Bits per element on the wire, each direction (per-tensor trailer lanes excluded)."""
+        _, k = self.geometry(num_workers)
+        return 8.0 * self.wire_dtype.itemsize / k
+
+    # ------------------------------------------------------------ values
+    def _affine(self):
+        """(scale, a, b): a level q decodes to scale * (a*q + b)."""
+        raise NotImplementedError
+
+    def _values(self, digit_sums, num_workers):
+        """float32(double(scale) * (a*D + N*b)) for integer digit sums D of N workers."""
+        scale, a, b = self._affine()
+        return affine_values(digit_sums, float(scale), a, b, num_workers)
+
+    def own_values(self):
+        """Decoded value of each level for one worker: what error feedback subtracts."""
+        affine = self._affine()
+        cached = self._cache.get("own")
+        if cached is None or cached[0] != affine:   # the state moved (1bit scale)
+            cached = self._cache["own"] = (affine, self._values(np.arange(self.levels), 1))
+        return cached[1]
+
+    def _powers(self, radix, k):
+        key = ("powers", radix, k)
+        if key not in self._cache:
+            self._cache[key] = np.array([radix ** j for j in range(k)], dtype=np.uint64)
+        return self._cache[key]
+
+    def _rows(self, num_workers, radix, k, size):
+        """Decoder table (m, rows): R**m rows of ROW float32, row s = values of the m
+        radix-R digits of s. Rows are capped by MAX_ROWS and, so that building the
+        table never outweighs decoding, by the size; tables are shared by all
+        instances with the same parameters."""
+        limit = min(MAX_ROWS, max(radix, size // 4))
+        m = 1
+        while m < min(ROW, k) and radix ** (m + 1) <= limit:
+            m += 1
+        scale, a, b = self._affine()
+        return m, _decode_rows(radix, m, float(scale), a, b, num_workers)
+
+    # ------------------------------------------------------------ encode / decode
+    def encode(self, grad, residual, num_workers, out=None, grad_checked=False):
+        """Compensate, quantize and pack: returns the lanes; `residual` is updated in place.
+
+        grad, residual: 1-D C-contiguous float32 of equal length. NaN/Inf in grad raises
+        NonFiniteGradientError before residual or out is touched (a read-only pass runs
+        first); a non-finite grad + residual (float32 overflow, or a non-finite residual
+        handed in) raises it too, found while encoding (see docs/codecs.md).
+        grad_checked=True: the caller has already found grad finite (the kvstore's local
+        update counts it), so the read-only pass is skipped; a non-finite grad is still
+        found, while encoding, after residual and out were written.
+        """
+        n_workers = check_num_workers(num_workers)
+        radix, k = self.geometry(n_workers)
+        check_vector("grad", grad, np.float32)
+        check_vector("residual", residual, np.float32, writeable=True)
+        if residual.shape[0] != grad.shape[0]:
+            raise ValueError("residual must have as many elements as grad: %d != %d"
+                             % (residual.shape[0], grad.shape[0]))
+        size = grad.shape[0]
+        n_lanes = self.lane_count(size, n_workers)
+        if out is None:
+            out = np.empty(n_lanes, dtype=self.wire_dtype)
+        else:
+            check_vector("out", out, self.wire_dtype, writeable=True, length=n_lanes)
+        check_disjoint(grad=grad, residual=residual, out=out)
+        stat = self._encode_into(grad, residual, out, radix, k, grad_checked)
+        if self.trailer_lanes:
+            out[-1] = stat / size if size else 0.0
+        return out
+
+    def decode(self, lanes_sum, size, num_workers, out=None):
+        """Sum over workers of the decoded values, float32 (size,), from the summed lanes.
+
+        Codecs with a trailer lane also update their shared state here (every worker
+        receives the same sum, so every worker's instance stays equal).
+        """
+        n_workers, radix, k, stat = self._check_sum(lanes_sum, size, num_workers)
+        if out is None:
+            out = np.empty(size, dtype=np.float32)
+        else:
+            check_vector("out", out, np.float32, writeable=True, length=size)
+        check_disjoint(lanes_sum=lanes_sum, out=out)
+        self._decode_into(lanes_sum, out, n_workers, radix, k)
+        if stat is not None:
+            self._agree(stat)
+        return out
+
+    @property
+    def decodes_by_table(self):
+        """True when decode_table serves this codec (it decodes with the shared table kernel)."""
+        return type(self)._decode_into is LaneCodec._decode_into
+
+    def decode_table(self, lanes_sum, size, num_workers):
+        """(k, m, rows) for kernels.decode_sgd_step: decode() without writing the values.
+
+        Checks lanes_sum as decode does and advances the shared state as decode does,
+        so the table must serve exactly this sum.
+        """
+        if not self.decodes_by_table:
+            raise TypeError("%s decodes without the table kernel; call decode" % self.name)
+        n_workers, radix, k, stat = self._check_sum(lanes_sum, size, num_workers)
+        m, rows = self._rows(n_workers, radix, k, size)
+        if stat is not None:
+            self._agree(stat)
+        return k, m, rows
+
+    def _check_sum(self, lanes_sum, size, num_workers):
+        """(N, R, k, mean trailer statistic or None) of a valid lanes sum for `size` elements."""
+        n_workers = check_num_workers(num_workers)
+        radix, k = self.geometry(n_workers)
+        check_vector("lanes_sum", lanes_sum, self.wire_dtype,
+                     length=self.lane_count(size, n_workers))
+        stat = None
+        if self.trailer_lanes:
+            stat = float(lanes_sum[-1]) / n_workers
+            if not (math.isfinite(stat) and stat >= 0):
+                raise ValueError("%s: the trailer lane sums to %r, not a finite statistic >= 0; "
+                                 "the lanes were not produced by this codec"
+                                 % (self.name, lanes_sum[-1]))
+        return n_workers, radix, k, stat
+
+    def _agree(self, mean_stat):
+        """Update the shared state from the workers' mean trailer statistic."""
+
+    # ------------------------------------------------------------ kernels (Cython)
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+        """Fill out[:ceil(n/k)], update residual; return the trailer sum (or None).
+
+        Raises NonFiniteGradientError when grad holds NaN/Inf (having written nothing,
+        unless grad_checked) or when grad + residual is not finite.
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def _kernel_result(result, grad, residual, out):
+        """A kernel's (non-finite grad, non-finite grad + residual, trailer sum) counts ->
+        the trailer sum, or the error."""
+        bad_grad, bad_sum, total = result
+        if bad_grad:
+            raise_nonfinite(grad, residual)
+        if bad_sum:
+            raise_nonfinite(grad, residual, out)
+        return total
+
+    def _decode_into(self, lanes_sum, out, num_workers, radix, k):
+        m, rows = self._rows(num_workers, radix, k, out.shape[0])
+        kernels().decode_lanes(lanes_sum, out, rows, k, m, self.num_threads)
+
+    # ------------------------------------------------------------ NDArray path (offload off)
+    def device_levels(self, compensated, nd, const):
+        """float32 NDArray of the level of each compensated value (MXNet ops in `nd`).
+
+        const(kind, params, make) returns a small cached NDArray on the values' context.
+        """
+        raise NotImplementedError
+
+    def device_statistic(self, grad, compensated):
+        """The NDArray whose |.| the trailer statistic sums (None without a trailer)."""
+        return None
+
+
+class LaneReference:
+    """NumPy encode/decode of a lane codec: compensate, level, feed back, pack; unpack, scale.
+
+    Mixed in before the codec class (class TwoBitReference(LaneReference, TwoBit)); the
+    codec gives `_levels` and, with a trailer, `_statistic`.
+    """
+
+    is_reference = True
+
+    def _levels(self, compensated):
+        """int64 level q of each compensated value (grad + residual, float32)."""
+        raise NotImplementedError
+
+    def _statistic(self, grad, compensated):
+        """float64 per-element statistic whose mean is the trailer lane, or None."""
+        return None
+
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+        c = self.feedback.compensate(grad, residual)
+        if not np.isfinite(c).all():
+            raise_nonfinite(grad, residual)
+        q = self._levels(c)
+        self.feedback.update(residual, c, self._values(q, 1))
+        n = q.shape[0]
+        n_lanes = -(-n // k)
+        digits = np.zeros(n_lanes * k, dtype=np.uint64)
+        digits[:n] = q
+        powers = np.array([radix ** j for j in range(k)], dtype=np.uint64)
+        out[:n_lanes] = (digits.reshape(n_lanes, k) * powers).sum(axis=1).astype(np.float64)
+        stat = self._statistic(grad, c)
+        return None if stat is None else chunk_sum(stat, k)
+
+    def _decode_into(self, lanes_sum, out, num_workers, radix, k):
+        n = out.shape[0]
+        v = lanes_sum[:-(-n // k)]
+        bad = np.count_nonzero(~((v >= 0) & (v < 2.0 ** 53)))
+        if bad:
+            raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
+                             "(wrong codec, worker count or corrupted data)" % bad)
+        x = v.astype(np.int64)
+        powers = np.array([radix ** j for j in range(k)], dtype=np.int64)
+        digits = (x[:, None] // powers[None, :]) % radix
+        out[...] = self._values(digits.ravel()[:n], num_workers)

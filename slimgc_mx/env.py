@@ -1,0 +1,150 @@
+"""The environment: every variable slimgc_mx reads, and the only module that reads them.
+
+Standard library only, so the launcher and the kvstore share one list of names.
+Variables are read when asked for (not at import), from `environ` when given.
+"""
+import numbers
+import os
+
+#: Options of the kvstore: SLIMGC_<OPTION> (see config.SlimGCConfig).
+OPTION_PREFIX = "SLIMGC_"
+#: CPU threads of the kernels (default: the CPUs this process may run on).
+NUM_THREADS_VAR = "SLIMGC_NUM_THREADS"
+#: Set by the launcher: the task's index within its role (worker 0, 1, ...).
+LAUNCH_INDEX_VAR = "SLIMGC_LAUNCH_INDEX"
+#: The ssh program of the launcher's ssh mode.
+SSH_VAR = "SLIMGC_SSH"
+#: Variables of this package that are not kvstore options.
+OWN_VARS = (NUM_THREADS_VAR, LAUNCH_INDEX_VAR, SSH_VAR)
+
+#: MXNet's engine runs CPU operators on this many threads (default 1). With one, a
+#: worker's transfers (the kvstore's push and pull operators) and SlimGC's copies wait
+#: behind every forward and backward operator queued before them (docs/launcher.md).
+ENGINE_THREADS_VAR = "MXNET_CPU_WORKER_NTHREADS"
+#: What the launcher gives every worker unless the caller chose.
+WORKER_ENGINE_THREADS = 2
+ENGINE_TYPE_VAR = "MXNET_ENGINE_TYPE"
+BIGARRAY_BOUND_VAR = "MXNET_KVSTORE_BIGARRAY_BOUND"
+
+#: MXNet 1.9.1's KVStoreDistServer never initializes its multi_precision_ flag; when the
+#: heap hands it a nonzero byte the server sums float64 pushes in float32, which corrupts
+#: packed lanes. With these glibc zero-fills every allocation (MALLOC_PERTURB_=255 covers
+#: all of malloc's paths except its per-thread cache, which the tunable turns off), so the
+#: flag reads false. The launcher sets them for servers; the kvstore checks the result.
+SERVER_ENV = {"MALLOC_PERTURB_": "255", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
+SERVER_ENV_TEXT = " ".join("%s=%s" % item for item in SERVER_ENV.items())
+
+
+def _environ(environ):
+    return os.environ if environ is None else environ
+
+
+def env_count(name, unset_hint, environ=None):
+    """The integer >= 1 in variable `name`, None when unset or blank.
+
+    Anything else raises ValueError naming the variable, followed by `unset_hint`.
+    """
+    raw = _environ(environ).get(name, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise ValueError("%s must be an integer >= 1, got %r; %s" % (name, raw, unset_hint))
+    return int(raw)
+
+
+# ---------------------------------------------------------------- CPU threads
+
+def available_cpus():
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def default_num_threads(environ=None):
+    """SLIMGC_NUM_THREADS when set, else available_cpus()."""
+    value = env_count(NUM_THREADS_VAR, "unset it to use all %d CPUs" % available_cpus(),
+                      environ)
+    return available_cpus() if value is None else value
+
+
+def check_num_threads(value):
+    """Validate an explicit thread count (None means the default)."""
+    if value is None:
+        return default_num_threads()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError("num_threads must be an integer >= 1 (or None for the default), got %r"
+                         % (value,))
+    return int(value)
+
+
+# ---------------------------------------------------------------- kvstore options
+
+def option_variables(names, environ=None):
+    """{option: raw string} for every set, non-blank SLIMGC_<NAME> of the option `names`."""
+    env = _environ(environ)
+    out = {}
+    for name in names:
+        raw = env.get(OPTION_PREFIX + name.upper())
+        if raw is not None and raw != "":
+            out[name] = raw
+    return out
+
+
+def unknown_variables(names, environ=None):
+    """[(variable, closest valid variable or None)] for SLIMGC_* variables that name no option."""
+    import difflib
+    valid = [OPTION_PREFIX + n.upper() for n in names] + list(OWN_VARS)
+    out = []
+    for var in sorted(_environ(environ)):
+        if var.startswith(OPTION_PREFIX) and var not in valid:
+            close = difflib.get_close_matches(var, valid, n=1, cutoff=0.6)
+            out.append((var, close[0] if close else None))
+    return out
+
+
+# ---------------------------------------------------------------- the parameter-server job
+
+def dmlc_role(environ=None):
+    """DMLC_ROLE: 'worker', 'server', 'scheduler', or None outside a parameter-server job."""
+    return _environ(environ).get("DMLC_ROLE") or None
+
+
+def launched_as_worker(environ=None):
+    """True in a worker process of a parameter-server job (DMLC_ROLE=worker, DMLC_NUM_WORKER set)."""
+    env = _environ(environ)
+    return env.get("DMLC_ROLE") == "worker" and bool(env.get("DMLC_NUM_WORKER"))
+
+
+def num_servers(environ=None):
+    """DMLC_NUM_SERVER, at least 1."""
+    return max(1, int(_environ(environ).get("DMLC_NUM_SERVER", "1") or 1))
+
+
+def engine_threads(environ=None):
+    """MXNet's CPU engine threads as the worker will see them (1 when unset or unreadable)."""
+    try:
+        return env_count(ENGINE_THREADS_VAR, "", environ) or 1
+    except ValueError:  # not a count: MXNet would not get more threads from it either
+        return 1
+
+
+def async_engine(environ=None):
+    """True when MXNet's engine runs operators asynchronously (not NaiveEngine)."""
+    return "naive" not in _environ(environ).get(ENGINE_TYPE_VAR, "").lower()
+
+
+def bigarray_bound(default, environ=None):
+    """MXNET_KVSTORE_BIGARRAY_BOUND, setting `default` first when unset (MXNet reads it when
+    its kvstore is created); a ValueError names the variable when it is not a positive count."""
+    env = _environ(environ)
+    raw = env.setdefault(BIGARRAY_BOUND_VAR, str(default))
+    try:
+        bound = int(raw)
+    except ValueError:
+        bound = 0
+    if bound < 1:
+        raise ValueError("%s=%r: expected a positive number of elements (unset it to use %d)"
+                         % (BIGARRAY_BOUND_VAR, raw, default))
+    return bound

@@ -1,0 +1,120 @@
+"""The command line of the launcher: launch.py-compatible options plus a few of our own."""
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional
+
+from ..env import SERVER_ENV_TEXT, SSH_VAR
+from .job import LaunchedJob
+from .plan import LaunchError, StartError, build_plan
+
+log = logging.getLogger("slimgc_mx.launch")
+
+USAGE_ERROR = 2
+DEFAULT_LINGER = 10.0
+DEFAULT_KILL_GRACE = 3.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launch.py-compatible options plus a few of our own, each help naming its default."""
+    p = argparse.ArgumentParser(
+        prog="slimgc-launch",
+        description="Launch an MXNet parameter-server job: 1 scheduler, S servers and W workers, "
+                    "each running the same COMMAND with DMLC_ROLE etc. set. Output lines are "
+                    "prefixed [scheduler], [server I], [worker I] (launch index; MXNet's kv.rank "
+                    "may differ). Local mode sets OMP_NUM_THREADS to CPUs // workers (at least 1) "
+                    "unless this shell or --env sets it. Workers get MXNET_CPU_WORKER_NTHREADS=2 "
+                    "(MXNet's engine threads) unless --env, --env-worker or, in local mode, "
+                    "this shell sets it. Exit status: the workers' (0 when all "
+                    "succeed), 128+N when a process is killed by signal N, 2 for usage errors, "
+                    "127 when COMMAND cannot start.",
+        epilog="examples:\n"
+               "  slimgc-launch -n 2 -s 2 python scripts/train.py\n"
+               "  slimgc-launch -n 4 -H hosts --env OMP_NUM_THREADS:2 python scripts/train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--num-workers", required=True, type=int,
+                   help="number of worker processes (required)")
+    p.add_argument("-s", "--num-servers", type=int, default=None,
+                   help="number of server processes (default: same as -n)")
+    p.add_argument("--launcher", choices=["local", "ssh", "mpi", "sge", "yarn"], default=None,
+                   help="where processes run (default: ssh when -H is given, else local); "
+                        "mpi, sge, yarn are not supported")
+    p.add_argument("-H", "--hostfile", default=None,
+                   help="file with one HOST or HOST:SSH_PORT per line; needed for ssh "
+                        "(default: none)")
+    p.add_argument("--sync-dst-dir", default=None,
+                   help="not supported: copy the code to the hosts yourself, then use --remote-dir")
+    p.add_argument("--env", action="append", default=[], metavar="NAME[:VALUE]",
+                   help="set NAME=VALUE for every process; NAME alone passes this shell's value; "
+                        "repeatable (default: none)")
+    p.add_argument("--env-server", action="append", default=[], metavar="NAME[:VALUE]",
+                   help="like --env, for servers only, wins over --env (default: %s, which "
+                        "keeps MXNet 1.9.1's servers summing float64 exactly; see "
+                        "docs/launcher.md)" % SERVER_ENV_TEXT)
+    p.add_argument("--env-worker", action="append", default=[], metavar="NAME[:VALUE]",
+                   help="like --env, for workers only, wins over --env (default: none)")
+    p.add_argument("--p3", action="store_true",
+                   help="use the P3 van: DMLC_PS_VAN_TYPE=p3, DMLC_PS_WATER_MARK=10 (default: off)")
+    p.add_argument("--port", type=int, default=0,
+                   help="scheduler port DMLC_PS_ROOT_PORT (default: 0 = a free port picked here)")
+    p.add_argument("--root-uri", default=None,
+                   help="scheduler address DMLC_PS_ROOT_URI (default: 127.0.0.1 for local; for "
+                        "ssh the --scheduler-host, else this machine's address toward the first host)")
+    p.add_argument("--scheduler-host", default=None,
+                   help="ssh: run the scheduler on this host (default: on this machine, "
+                        "as launch.py does)")
+    p.add_argument("--remote-dir", default=None,
+                   help="ssh: directory to cd into on every host (default: the current directory)")
+    p.add_argument("--ssh", default=os.environ.get(SSH_VAR, "ssh"),
+                   help="ssh program and leading arguments (default: $SLIMGC_SSH, else ssh; "
+                        "now %(default)r)")
+    p.add_argument("--linger", type=float, default=DEFAULT_LINGER,
+                   help="seconds servers/scheduler may run on after all workers succeeded, "
+                        "then they are terminated (default: %(default)s)")
+    p.add_argument("--kill-grace", type=float, default=DEFAULT_KILL_GRACE,
+                   help="seconds between SIGTERM and SIGKILL when stopping processes "
+                        "(default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="launcher log level (default: %(default)s)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="what every process runs: one argument is a shell string, several an argv")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None, parser=None) -> argparse.Namespace:
+    """Parse the command line and fill in the defaults that depend on other options."""
+    args = (parser or build_parser()).parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.num_servers is None:
+        args.num_servers = args.num_workers
+    if args.launcher is None:
+        args.launcher = "ssh" if args.hostfile else "local"
+    if args.remote_dir is None:
+        args.remote_dir = os.getcwd()
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Console entry point (slimgc-launch): parse, plan, run; returns the exit status."""
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="[launcher] %(levelname)s %(message)s")
+    try:
+        plan = build_plan(args)
+        cwd = args.remote_dir if args.launcher == "ssh" else os.getcwd()
+        job = LaunchedJob(plan, args.command, cwd, args.linger, args.kill_grace)
+        log.info("%s launcher: 1 scheduler, %d servers, %d workers; scheduler at %s:%s",
+                 args.launcher, args.num_servers, args.num_workers,
+                 plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"])
+        return job.run()
+    except StartError as e:
+        log.error("%s", e)
+        return 127
+    except LaunchError as e:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+

@@ -1,0 +1,263 @@
+"""Keys -> transfers: the CTTab's route for every push, and the fused full-precision buckets.
+
+The planner owns each key's buffers (grad_buf.KeyBuffers) and step count. For every
+push it decides the route of Algorithm 2 (bit_buf when the CTTab compresses the
+tensor's size, fp_buf otherwise; both alternately during the warm-up) and hands out
+a typed pipeline.Transfer.
+
+Fused buckets: sent one by one, every small tensor pays a transfer, three pipeline
+hand-offs and an optimizer call in Python, 0.3-0.5 ms of CPU per key and step
+(scripts/per_key_cost.py), where MXNet's own kvstore pays one call into C++. After
+the CTTab's decision the full-precision keys share one flat fp_buf per server: each
+member's grad_buf and agg become views into it, so the gradient copy the training
+thread makes anyway fills the fused buffer, one transfer moves it, and the global
+update serves every member with one Updater call (MXNet's multi-tensor ops).
+"""
+import logging
+
+import numpy as np
+
+from .grad_buf import KeyBuffers, Push
+from .pipeline import Transfer
+from .transport.keys import KeyWire
+
+log = logging.getLogger(__name__)
+
+
+class Bucket:
+    """Consecutive member keys in one flat grad_buf / agg, sent as one wire key.
+
+    It stands in for a KeyBuffers of the full-precision route in the pipeline.
+    `pending` holds the Pushes of the members since the last transfer; the bucket is
+    sent once every member is in it.
+    """
+
+    codec = None
+    device = None
+    bit_buf = None
+
+    def __init__(self, members, wire_key, make_buffer):
+        self.members = members  # {user key: KeyBuffers}, in key order
+        self.size = sum(b.size for b in members.values())
+        self.nbytes = 4 * self.size
+        self.wire = KeyWire(wire_key, None, None)
+        self.grad_buf = make_buffer((self.size,), np.float32)
+        self.agg = make_buffer((self.size,), np.float32)
+        offset = 0
+        for b in members.values():
+            b.grad_buf = self.grad_buf.view(offset, b.shape)
+            b.agg = self.agg.view(offset, b.shape)
+            offset += b.size
+        self.pending = []
+        self.settings = None  # the optimizer settings of the first push since the last transfer
+
+    @property
+    def fp_buf(self):
+        return self.grad_buf
+
+    @property
+    def label(self):
+        """How messages name the bucket, e.g. 'keys 0..64 (fused)'."""
+        keys = list(self.members)
+        if len(keys) == 1:
+            return "key %r (fused)" % (keys[0],)
+        return "keys %r..%r (fused)" % (keys[0], keys[-1])
+
+    def holds(self, key):
+        """True when `key` was pushed since the last transfer."""
+        return any(p.key == key for p in self.pending)
+
+    def add(self, push, settings):
+        """Record that a member's gradient is in grad_buf; True once every member's is."""
+        if not self.pending:
+            self.settings = settings
+        self.pending.append(push)
+        return len(self.pending) == len(self.members)
+
+    def take(self):
+        """The transfer of what is in (the bucket starts collecting the next round)."""
+        pending, self.pending = self.pending, []
+        return Transfer(self, pending[0].step, pending, self.settings, self.label,
+                        compressed=False)
+
+
+class FusedRoute:
+    """The buckets of the full-precision keys: one per server, split by bytes in key order.
+
+    One bucket per server keeps every server busy, as the per-key route does
+    (consecutive wire keys go to consecutive servers). Building it declares the
+    buckets' wire keys, so every worker must build it at the same point.
+    """
+
+    def __init__(self, members, transport, make_buffer):
+        self.keys = list(members)
+        self.buckets = []
+        self._of = {}
+        groups = _split(list(members.items()), transport.num_servers)
+        for group, wire_key in zip(groups, transport.keys.fused(len(groups))):
+            bucket = Bucket(dict(group), wire_key, make_buffer)
+            transport.declare(wire_key, bucket.grad_buf)
+            self.buckets.append(bucket)
+            for key, _ in group:
+                self._of[key] = bucket
+
+    def __contains__(self, key):
+        return key in self._of
+
+    def bucket(self, key):
+        return self._of[key]
+
+    def partial(self):
+        """Buckets holding some but not all of their members' pushes."""
+        return [b for b in self.buckets if b.pending]
+
+
+def _split(items, parts):
+    """`items` ((key, KeyBuffers) in key order) cut into at most `parts` runs of similar bytes."""
+    parts = max(1, min(parts, len(items)))
+    total = sum(b.nbytes for _, b in items)
+    groups, current, done = [], [], 0
+    for i, (key, b) in enumerate(items):
+        current.append((key, b))
+        done += b.nbytes
+        left = len(items) - i - 1
+        wanted = parts - len(groups) - 1  # groups still to start after this one
+        if wanted and (done >= total * (len(groups) + 1) / parts or left == wanted):
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return groups
+
+
+class Planner:
+    """Every key's buffers and step, the route of each push, and the fused buckets.
+
+    make_buffer(shape, dtype) makes CPU Buffers; device_codec(codec) wraps a codec for
+    offload off; wait_version(key, step) blocks until no transfer reads the key's
+    buffers of that step (fusing moves them).
+    """
+
+    def __init__(self, config, transport, codec, cttab, make_buffer, device_codec,
+                 wait_version):
+        self.config = config
+        self.transport = transport
+        self.codec = codec  # the prototype codec; each key gets a clone
+        self.cttab = cttab
+        self.keys = {}  # user key -> KeyBuffers
+        self.steps = {}  # user key -> steps pushed
+        self.fused = None  # FusedRoute, built at the first step after the CTTab's decision
+        self._make_buffer = make_buffer
+        self._device_codec = device_codec
+        self._wait_version = wait_version
+
+    # -- keys ------------------------------------------------------------------------------
+    def add(self, key, shape):
+        """Buffers and wire keys of a new key (collective: declares its wire keys)."""
+        index = len(self.keys)
+        codec = self.codec.clone() if self.codec is not None else None
+        b = KeyBuffers(index, shape, codec, self.transport.num_workers, self._make_buffer,
+                       wire=self.transport.keys.per_key(index))
+        if codec is not None and not self.config.offload:
+            b.device = self._device_codec(codec)
+        self.transport.declare(b.wire.fp, b.grad_buf)
+        if b.bit_buf is not None:
+            self.transport.declare(b.wire.bit, b.bit_buf)
+        self.keys[key] = b
+        self.steps[key] = 0
+        return b
+
+    def buffers(self, key):
+        if key not in self.keys:
+            raise KeyError("key %r was not initialized (call init or broadcast first)" % (key,))
+        return self.keys[key]
+
+    # -- routes ----------------------------------------------------------------------------
+    def compressed(self, b, step):
+        """The CTTab's route of key buffers `b` at `step`: True for bit_buf."""
+        return b.codec is not None and self.cttab.compressed(b.nbytes, step)
+
+    def checks_in_local_update(self, b, step):
+        """True when the Cython encoder will encode this step of the key after warm-up.
+
+        Then the local update (SGD kernel) counts NaN/Inf in grad_buf as it reads it, and
+        the encoder waits for it and skips its own pass over the gradient (GradCheck).
+        """
+        return (b.device is None and self.cttab.phase != "warmup"
+                and self.compressed(b, step))
+
+    def transfer(self, push, settings, decodes_in_update):
+        """The transfer of one key's push (not fused). decodes_in_update(buffers): whether
+        the global update can decode this key's compressed sum itself."""
+        b = push.buffers
+        compressed = self.compressed(b, push.step)
+        serial = self.cttab.phase == "warmup"
+        check = push.check if push.check is not None and push.check.ready is not None else None
+        # After warm-up (whose timings include the decode) the SGD kernel decodes the
+        # sum tile by tile inside its update: the aggregate never goes to memory.
+        decode_in_update = (compressed and not serial and settings is not None
+                            and decodes_in_update(b))
+        return Transfer(b, push.step, [push], settings, "key %r" % (push.key,), compressed,
+                        serial=serial, decode_in_update=decode_in_update, check=check)
+
+    # -- fused buckets ---------------------------------------------------------------------
+    def bucket(self, key):
+        """The fused bucket `key` goes in, or None; builds the FusedRoute once routing is final.
+
+        It is built at the first push of a step after the first, so that its members
+        are the keys the job pushes (gluon.Trainer also initializes keys it never
+        pushes, such as BatchNorm's running statistics).
+        """
+        if self.fused is None:
+            if not self.config.fuse or self.cttab.phase == "warmup" or self.steps[key] == 0:
+                return None
+            self.fused = self._build_fused()
+        return self.fused.bucket(key) if key in self.fused else None
+
+    def _build_fused(self):
+        """Collect every full-precision key into buckets (collective: declares wire keys)."""
+        members = {k: self.keys[k] for k in self.full_precision_keys()}
+        for key in members:  # no transfer still reads a member's old buffers
+            self._wait_version(key, self.steps[key])
+        route = FusedRoute(members, self.transport, self._make_buffer)
+        log.info("slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes",
+                 len(members), len(route.buckets), [b.nbytes for b in route.buckets])
+        return route
+
+    def full_precision_keys(self):
+        """Keys pushed so far that the CTTab routes to full precision, in key order."""
+        return [k for k, b in self.keys.items() if self.steps[k] > 0 and (
+            b.codec is None or not self.cttab.compressed(b.nbytes, self.steps[k]))]
+
+    def partial_buckets(self):
+        """The transfers of buckets still waiting for members that were not pushed."""
+        if self.fused is None:
+            return []
+        return [bucket.take() for bucket in self.fused.partial()]
+
+    def refuse_stale_buckets(self):
+        """After a checkpoint with another BestCT: rebuild the buckets (new wire keys)."""
+        if self.fused is not None and self.fused.keys != self.full_precision_keys():
+            self.fused = None
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self):
+        """Per key: step, error-feedback residual and codec state."""
+        out = {}
+        for key, b in self.keys.items():
+            compressed = b.codec is not None
+            out[key] = {"step": self.steps[key],
+                        "residual": b.residual.for_read().copy() if compressed else None,
+                        "codec": b.codec.state_dict() if compressed else None}
+        return out
+
+    def load_state_dict(self, state):
+        for key, ks in state.items():
+            b = self.keys[key]
+            self.steps[key] = ks["step"]
+            if b.codec is not None:
+                np.copyto(b.residual.for_write(), ks["residual"])
+                b.codec.load_state_dict(ks["codec"])
+
+
+__all__ = ["Bucket", "FusedRoute", "Planner", "Push"]

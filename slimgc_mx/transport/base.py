@@ -1,0 +1,112 @@
+"""What every transport offers: fixed-shape float arrays ("wire keys") summed over workers."""
+import threading
+
+from .keys import WireKeys
+
+
+class TransportTimeout(TimeoutError):
+    """A transfer did not complete within the configured timeout."""
+
+
+class TransferHandle:
+    """A transfer in flight; `wait()` returns once the summed result is in `recv`.
+
+    It blocks without a limit: the training thread, not the pipeline thread,
+    enforces the timeout (see backup.ModelBackup.wait_version).
+    """
+
+    def __init__(self, recv, elapsed=None):
+        self._recv = recv
+        self.elapsed = elapsed  # set by emulated links: the modeled transfer time
+
+    def wait(self):
+        self._recv.nd.wait_to_read()
+
+
+class PiecesHandle(TransferHandle):
+    """A transfer sent as pieces: done once every piece of `recv` has its sum."""
+
+    def __init__(self, recv, pieces):
+        super().__init__(recv)
+        self._pieces = pieces
+
+    def wait(self):
+        for nd in self._pieces:
+            nd.wait_to_read()
+
+
+def wait_readable(arrays, timeout):
+    """Block until every NDArray in `arrays` (or the one NDArray) is readable, or raise
+    TransportTimeout after `timeout` seconds in all.
+
+    For the rare collective calls made on the training thread (broadcast, allgather).
+    """
+    arrays = arrays if isinstance(arrays, list) else [arrays]
+    if timeout is None:
+        for nd in arrays:
+            nd.wait_to_read()
+        return
+    done = threading.Event()
+    err = []
+
+    def waiter():
+        try:
+            for nd in arrays:
+                nd.wait_to_read()
+        except Exception as exc:  # surfaced in the caller below
+            err.append(exc)
+        done.set()
+
+    threading.Thread(target=waiter, name="slimgc-wait", daemon=True).start()
+    if not done.wait(timeout):
+        raise TransportTimeout(
+            "a transfer did not complete in %.0f s: a worker or server may have died "
+            "(raise SLIMGC_TIMEOUT if your steps are legitimately slower)" % timeout)
+    if err:
+        raise err[0]
+
+
+class Transport:
+    """Sums fixed-shape arrays over workers; `declare` must run in the same order everywhere."""
+
+    rank = 0
+    num_workers = 1
+    num_servers = 1
+    kind = "abstract"
+    timeout = None
+    bigarray_bound = None  # elements from which MXNet splits an array over all servers
+
+    @property
+    def keys(self):
+        """The owner of this transport's wire keys (made on first use)."""
+        if "_wire_keys" not in self.__dict__:
+            self._wire_keys = WireKeys()
+        return self._wire_keys
+
+    @property
+    def pieces_declared(self):
+        """Wire keys made by splitting declared buffers into pieces."""
+        return self.keys.pieces_taken
+
+    def declare(self, wire_key, buf):
+        """Create `wire_key` with the shape and dtype of `buf` (collective)."""
+        raise NotImplementedError
+
+    def push_pull(self, wire_key, send, recv):
+        """Start summing `send` over workers into `recv`; returns a TransferHandle."""
+        raise NotImplementedError
+
+    def broadcast(self, wire_key, buf):
+        """Overwrite `buf` with rank 0's value (collective; wire_key must be declared)."""
+        raise NotImplementedError
+
+    def allgather(self, values):
+        """Every worker's float64 vector, stacked as (num_workers, len) (collective)."""
+        raise NotImplementedError
+
+    def check_exact_sums(self):
+        """Raise ServerPrecisionError unless float64 sums are exact (collective)."""
+
+    def close(self, timeout=None):
+        """Release the transport; returns False if that did not finish within `timeout`."""
+        return True

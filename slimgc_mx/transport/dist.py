@@ -1,0 +1,180 @@
+"""MXNet's own dist_sync kvstore underneath: stock servers sum what the workers push."""
+import logging
+import os
+import threading
+
+import mxnet as mx
+import numpy as np
+
+from .. import env
+from .base import PiecesHandle, TransferHandle, Transport, wait_readable
+from .keys import FUSED_BASE, PER_KEY_LIMIT, PIECE_BASE, WireKeyError
+
+log = logging.getLogger(__name__)
+
+
+class ServerPrecisionError(RuntimeError):
+    """A parameter server sums float64 arrays in float32, which would corrupt packed lanes."""
+
+
+# MXNet splits an array evenly over all servers only from MXNET_KVSTORE_BIGARRAY_BOUND
+# elements on (default 10**6); smaller ones go whole to server (key * 9973) % S. A float64
+# lane packs about 20 gradient elements, so at that default no compressed key is ever
+# split, and the wire keys 3 * index + 1 of same-parity indices all land on one server
+# (with 2 servers, every weight of a Dense stack). Unless the user set the variable, the
+# dist transport lowers the bound to 2 MB of lanes (1 MB of float32).
+BIGARRAY_BOUND = 1 << 18
+
+
+def piece_bounds(size, itemsize, piece_bytes):
+    """[(lo, hi), ...] element ranges of at most piece_bytes each, or None for one piece."""
+    per = max(1, piece_bytes // itemsize) if piece_bytes else size
+    if size <= per:
+        return None
+    return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
+
+
+def probe_values(rank):
+    """What worker `rank` pushes in the precision probe: integers float32 cannot hold."""
+    return np.array([2.0 ** 48 + 2 * rank + 1, 2.0 ** 30 + rank, 1.0], dtype=np.float64)
+
+
+def engine_threads_warning(environ):
+    """A warning when MXNet's engine has one CPU worker thread (its default), else None.
+
+    Then the kvstore's push and pull operators, and SlimGC's copies, wait behind every
+    forward and backward operator queued before them, and pieces cannot overlap.
+    """
+    if env.engine_threads(environ) >= 2:
+        return None
+    var = env.ENGINE_THREADS_VAR
+    return ("%s=%s: MXNet's engine has one CPU worker thread, so transfers wait behind "
+            "compute; start workers with %s=%d (python -m slimgc_mx.launch does)"
+            % (var, environ.get(var, "1"), var, env.WORKER_ENGINE_THREADS))
+
+
+class DistTransport(Transport):
+    """MXNet's native dist_sync kvstore: stock servers sum what the workers push."""
+
+    kind = "dist_sync"
+
+    def __init__(self, timeout=None, piece_bytes=0, environ=None):
+        # Read by MXNet when the kvstore is created; a value the user set stays.
+        self.bigarray_bound = env.bigarray_bound(BIGARRAY_BOUND, environ)
+        self._kv = mx.kv.create("dist_sync")
+        self.rank = self._kv.rank
+        self.num_workers = self._kv.num_workers
+        self.num_servers = env.num_servers(environ)
+        self.timeout = timeout
+        self.piece_bytes = piece_bytes
+        warning = engine_threads_warning(os.environ if environ is None else environ)
+        if warning and self.rank == 0:
+            log.warning("slimgc: %s", warning)
+        self._gather_keys = {}
+        self._pieces = {}  # wire key -> (piece wire keys, element bounds)
+
+    def declare(self, wire_key, buf):
+        if not (0 <= wire_key < PER_KEY_LIMIT or FUSED_BASE <= wire_key < PIECE_BASE):
+            raise WireKeyError("wire key %d collides with control or piece keys" % wire_key)
+        bounds = piece_bounds(buf.nd.size, np.dtype(buf.nd.dtype).itemsize, self.piece_bytes)
+        if bounds is None:
+            self._kv.init(wire_key, buf.nd)
+            return
+        keys = self.keys.pieces(len(bounds), "%d pieces of %d bytes: raise piece_bytes "
+                                "(SLIMGC_PIECE_BYTES) or set it to 0 to send buffers whole"
+                                % (len(bounds), self.piece_bytes))
+        buf.for_read()  # the pieces' engine variables do not see pending writes of buf.nd
+        self._kv.init(keys, buf.pieces(bounds))
+        self._pieces[wire_key] = (keys, bounds)
+
+    def push_pull(self, wire_key, send, recv):
+        split = self._pieces.get(wire_key)
+        if split is None:
+            self._kv.push(wire_key, send.nd)
+            self._kv.pull(wire_key, out=recv.nd)
+            return TransferHandle(recv)
+        keys, bounds = split
+        # MXNet pulls each sum into the pushed array itself before copying it to `recv`,
+        # so both buffers are written: wait for the engine's pending access to either.
+        send.for_write()
+        recv.for_write()
+        sends, recvs = send.pieces(bounds), recv.pieces(bounds)
+        for key, s, r in zip(keys, sends, recvs):
+            self._kv.push(key, s)
+            self._kv.pull(key, out=r)
+        return PiecesHandle(recv, recvs)
+
+    def broadcast(self, wire_key, buf):
+        split = self._pieces.get(wire_key)
+        if split is None:
+            self._kv.pull(wire_key, out=buf.nd)
+            wait_readable(buf.nd, self.timeout)
+            return
+        keys, bounds = split
+        buf.for_write()
+        pieces = buf.pieces(bounds)
+        self._kv.pull(keys, out=pieces)
+        wait_readable(pieces, self.timeout)
+
+    def allgather(self, values):
+        values = np.asarray(values, dtype=np.float64).ravel()
+        n = values.size
+        key = self._gather_keys.get(n)
+        if key is None:
+            key = self._gather_keys[n] = self.keys.control()
+            self._kv.init(key, mx.nd.zeros((self.num_workers, n), dtype=np.float64))
+        slots = np.zeros((self.num_workers, n), dtype=np.float64)
+        slots[self.rank] = values
+        send = mx.nd.array(slots, dtype=np.float64)
+        recv = mx.nd.zeros((self.num_workers, n), dtype=np.float64)
+        self._kv.push(key, send)
+        self._kv.pull(key, out=recv)
+        wait_readable(recv, self.timeout)
+        return recv.asnumpy()
+
+    def check_exact_sums(self):
+        """Push float64 integers through every server and compare the sums with the exact ones.
+
+        MXNet 1.9.1's server leaves its multi_precision_ flag uninitialized; a server that
+        starts with it set sums float64 in float32 (docs/launcher.md). Small keys
+        go to server (key * 9973) % S, so S consecutive keys reach all S servers.
+        """
+        servers = self.num_servers
+        keys = [self.keys.probe(i) for i in range(servers)]
+        mine = probe_values(self.rank)
+        self._kv.init(keys, [mx.nd.zeros(mine.shape, dtype=np.float64) for _ in keys])
+        sums = [mx.nd.zeros(mine.shape, dtype=np.float64) for _ in keys]
+        for key, out in zip(keys, sums):
+            self._kv.push(key, mx.nd.array(mine, dtype=np.float64))
+            self._kv.pull(key, out=out)
+        expected = sum(probe_values(r) for r in range(self.num_workers))
+        lossy = 0
+        for out in sums:
+            wait_readable(out, self.timeout)
+            lossy += int(not np.array_equal(out.asnumpy(), expected))
+        if lossy:
+            raise ServerPrecisionError(
+                "%d of %d parameter servers sum float64 arrays in float32: MXNet 1.9.1's "
+                "KVStoreDistServer leaves its multi_precision_ flag uninitialized, and SlimGC's "
+                "packed lanes would be silently corrupted. Start the servers with %s in "
+                "their environment (python -m slimgc_mx.launch does so), or train with "
+                "compressor 'none'." % (lossy, servers, env.SERVER_ENV_TEXT))
+
+    def close(self, timeout=None):
+        """Finalize MXNet's kvstore (a barrier with every node); False if not done in `timeout`.
+
+        The release runs on a helper thread so that a finalize that never returns (a
+        lost peer, or a transfer left pending) cannot hold the process forever.
+        """
+        if self._kv is None:
+            return True
+        holder = [self._kv]
+        self._kv = None
+        done = threading.Event()
+
+        def release():
+            holder.pop()  # the last reference: MXNet's kvstore destructor runs here
+            done.set()
+
+        threading.Thread(target=release, name="slimgc-finalize", daemon=True).start()
+        return done.wait(timeout)

@@ -1,0 +1,214 @@
+"""The updates of the weights: the global one (glo_buf, on every worker) and the local one
+of the model backup (loc_buf = glo_buf - loc_lr * g_loc, SlimGC Strategy 3).
+
+The optimizer runs on every worker on the aggregated gradient, so all workers hold the
+same global weights bit for bit. For MXNet's SGD (the paper's optimizer) both updates
+run as one Cython pass each (sgd.SGDKernel), and a compressed key's sum is decoded
+inside the global update; any other optimizer runs through MXNet's own Updater.
+"""
+import copy
+from dataclasses import dataclass
+
+import mxnet as mx
+
+from . import sgd
+from .transport import copy_array
+
+
+@dataclass
+class OptSettings:
+    """The optimizer settings of one step, as the trainer left them when it pushed.
+
+    The training thread may change lr or rescale_grad for the next step while this
+    step is still being aggregated; the global update applies the ones of its step.
+    """
+
+    lr: float
+    wd: float
+    rescale_grad: float
+    param_dict: dict
+
+    @classmethod
+    def of(cls, optimizer):
+        return cls(optimizer.lr, optimizer.wd, optimizer.rescale_grad, optimizer.param_dict)
+
+    def apply(self, optimizer):
+        optimizer.lr, optimizer.wd = self.lr, self.wd
+        optimizer.rescale_grad, optimizer.param_dict = self.rescale_grad, self.param_dict
+
+
+def clone_optimizer(opt):
+    """A shallow copy of an MXNet optimizer with its own update counters and settings.
+
+    Shared: param_dict, idx2name, lr_scheduler. Separate: lr, rescale_grad and the
+    per-index update counts, so two threads can each drive their own copy.
+    """
+    twin = copy.copy(opt)
+    counts = {dev: dict(c) for dev, c in opt._all_index_update_counts.items()}
+    current = next((dev for dev, c in opt._all_index_update_counts.items()
+                    if c is opt._index_update_count), 0)
+    twin._all_index_update_counts = counts
+    twin._index_update_count = counts.setdefault(current, {})
+    return twin
+
+
+class GlobalUpdate:
+    """glo_buf <- one optimizer step with the aggregate, on the aggregation thread.
+
+    `optimizer` is the trainer's (it sets lr / rescale_grad on it); the update drives a
+    clone of it through MXNet's Updater, whose states (momentum) checkpoints save, or
+    through the SGD kernel, which keeps its momentum in those same states.
+    """
+
+    def __init__(self, optimizer, num_threads):
+        self.optimizer = optimizer
+        self.num_threads = num_threads
+        self.updater = mx.optimizer.get_updater(clone_optimizer(optimizer))
+        self.kernel = self._kernel()
+
+    def _kernel(self):
+        """The CPU kernel for MXNet's SGD, or None for other optimizers."""
+        if not sgd.supports(self.updater.optimizer):
+            return None
+        return sgd.SGDKernel(self.updater, self.num_threads)
+
+    def decodes_in_update(self, buffers):
+        """True when a compressed key's sum can be decoded inside the SGD kernel's update."""
+        return (self.kernel is not None and buffers.device is None
+                and buffers.codec.decodes_by_table)
+
+    def prepare(self, transfer, num_workers):
+        """What update() needs of a transfer, read before it waits for the loc_buf flag.
+
+        Decoding the table advances the codec's shared state, as decode does.
+        """
+        b = transfer.buffers
+        if not transfer.decode_in_update:
+            return None
+        lanes = b.bit_sum.for_read()
+        if self.kernel is not None and len(transfer.pushes) == 1:
+            return b.codec.decode_table(lanes, b.size, num_workers)
+        # set_optimizer left SGD since this transfer was planned: decode, then update
+        b.codec.decode(lanes, b.size, num_workers, out=b.agg.for_write())
+        return None
+
+    def __call__(self, transfer, table, glos):
+        """Write the new global weights of the transfer's keys into `glos` (Buffers)."""
+        opt = self.updater.optimizer
+        transfer.settings.apply(opt)
+        indices = [p.buffers.index for p in transfer.pushes]
+        # A bucket of small keys takes one multi-tensor op in MXNet's engine: cheaper
+        # than the kernel's per-key engine waits (scripts/per_key_cost.py).
+        kernel = self.kernel if len(transfer.pushes) == 1 else None
+        if table is not None:
+            kernel.global_step_decoding(indices[0], transfer.buffers.bit_sum, table, glos[0])
+        elif kernel is not None:
+            kernel.global_step(indices, [p.buffers.agg for p in transfer.pushes], glos)
+        else:
+            # MXNet's Updater takes lists (a bucket: its multi-tensor ops, as
+            # gluon.Trainer uses); it turns a single key into a list of one itself.
+            self.updater(indices, [p.buffers.agg.nd for p in transfer.pushes],
+                         [g.nd for g in glos])
+
+    def get_states(self, dump_optimizer):
+        return self.updater.get_states(dump_optimizer)
+
+    def set_states(self, states):
+        """Load MXNet Updater states; returns the optimizer the file held, or None."""
+        self.updater.set_states(states)
+        loaded = self.updater.optimizer
+        if loaded is self.optimizer:
+            held = None
+        else:  # the file held the optimizer itself: it becomes the trainer-facing one
+            self.optimizer = held = loaded
+            self.updater.optimizer = clone_optimizer(loaded)
+        self.kernel = self._kernel()  # takes the loaded momentum at its first use
+        return held
+
+
+class LocalUpdater:
+    """The local update of the backup: one step of the global optimizer from glo_buf.
+
+    By default it applies the global optimizer's rule with a copy of the global
+    optimizer state (e.g. momentum) as it stands after w_i, and the local gradient
+    scaled by num_workers in place of the sum over workers: the best local guess of
+    w_{i+1}, exact when every worker's gradient is the same (always with one
+    worker). It keeps no recursion of its own, so it is as stable as the global
+    optimizer. `loc_optimizer` (a name) instead runs that optimizer with its own
+    state; `loc_lr` replaces the learning rate.
+
+    For MXNet's SGD (the paper's optimizer) the default rule runs as one pass of
+    `kernel` (the SGDKernel of the global update, which holds the momentum): it
+    reads glo_buf and the global momentum in place and writes neither. With
+    `engine` (an EngineNotifier) that pass runs in MXNet's engine once the
+    gradient exists.
+    """
+
+    def __init__(self, global_optimizer, num_workers, loc_lr=None, loc_optimizer=None,
+                 global_updater=None, kernel=None, engine=None):
+        self._global = global_optimizer
+        self._num_workers = num_workers
+        self._loc_lr = loc_lr
+        self._global_updater = global_updater if loc_optimizer is None else None
+        if loc_optimizer is None:
+            opt = clone_optimizer(global_optimizer)
+        else:
+            opt = mx.optimizer.create(loc_optimizer, learning_rate=global_optimizer.lr,
+                                      wd=global_optimizer.wd,
+                                      param_dict=global_optimizer.param_dict)
+        self.optimizer = opt
+        self._updater = mx.optimizer.get_updater(opt)
+        self._kernel = kernel if self._global_updater is not None else None
+        self._engine = engine
+
+    @classmethod
+    def for_update(cls, update, num_workers, config, engine):
+        """The local updater of a GlobalUpdate, with the options loc_lr / loc_optimizer."""
+        return cls(update.optimizer, num_workers, config.loc_lr, config.loc_optimizer,
+                   update.updater, update.kernel, engine)
+
+    @property
+    def fused(self):
+        """True when the update runs as the SGD kernel."""
+        return self._kernel is not None
+
+    def __call__(self, index, grad, glo, out, check=None):
+        """out <- glo after one local step with `grad` (all Buffers; glo is not written).
+
+        `check` (a grad_buf.GradCheck) is filled when the SGD kernel runs the step.
+        """
+        opt = self.optimizer
+        opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
+        opt.rescale_grad = self._global.rescale_grad * self._num_workers
+        source = self._global_updater
+        if source is not None:
+            glo_opt = source.optimizer
+            opt._index_update_count[index] = glo_opt._index_update_count.get(
+                index, glo_opt.begin_num_update)
+            if self._kernel is not None:
+                self._kernel.local_step(opt, index, grad, glo, out, self._engine, check)
+                return
+            if index in source.states:
+                self._updater.states[index] = _copy_state(source.states[index])
+                self._updater.states_synced[index] = True
+            else:
+                self._updater.states.pop(index, None)
+        copy_array(glo.nd, out.nd)
+        self._updater(index, grad.nd, out.nd)
+
+    def get_states(self):
+        return self._updater.get_states(True)
+
+    def set_states(self, states):
+        self._updater.set_states(states)
+        self.optimizer = self._updater.optimizer
+
+
+def _copy_state(state):
+    """A copy of an optimizer state: NDArrays copied (engine ops), nesting kept."""
+    if isinstance(state, mx.nd.NDArray):
+        return state.copy()
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copy_state(s) for s in state)
+    return state
+
