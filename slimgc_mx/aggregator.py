@@ -253,7 +253,18 @@ class Aggregator:
 
 
 def report(agg, compressor, pieces):
-    """The numbers SlimGC.stats() returns (see its docstring); zeros before the first key."""
+    """What SlimGC.stats() returns; zeros before the first key.
+
+    bytes_pushed / bytes_pulled: bytes on the wire each direction, against bytes_fp32;
+    comm_s: transfer time summed over keys (transfers overlap each other);
+    compress_s: encode + decode time (decoding fused into the SGD kernel's update
+    after warm-up is not in it); blocked_s: time the training thread waited
+    for global weights (the communication that was not hidden); cttab_rule and
+    cttab_link: how BestCT was read and the link fitted to the warm-up;
+    fused_keys / fused_buckets: full-precision keys sent together, in how many
+    transfers per step (a bucket counts once in `transfers`); wire_pieces: wire keys
+    of the pieces that large buffers travel as (a transfer counts once).
+    """
     cttab = agg.cttab if agg is not None else None
     best = cttab.best_ct if cttab is not None else None
     c = agg.stats if agg is not None else TransferStats()

@@ -155,17 +155,7 @@ class SlimGC(KVStoreBase):
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self):
-        """Bytes on the wire (each direction) versus fp32, times, and the threshold decision.
-
-        comm_s: transfer time summed over keys (transfers overlap each other);
-        compress_s: encode + decode time (decoding fused into the SGD kernel's update
-        after warm-up is not in it); blocked_s: time the training thread waited
-        for global weights (the communication that was not hidden); cttab_rule and
-        cttab_link: how BestCT was read and the link fitted to the warm-up;
-        fused_keys / fused_buckets: full-precision keys sent together, in how many
-        transfers per step (a bucket counts once in `transfers`); wire_pieces: wire keys
-        of the pieces that large buffers travel as (a transfer counts once).
-        """
+        """Bytes on the wire versus fp32, times, and the threshold decision (aggregator.report)."""
         pieces = self._transport.pieces_declared if self._transport else 0
         return report(self._agg, self.config.compressor, pieces)
 

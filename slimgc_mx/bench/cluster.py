@@ -703,6 +703,7 @@ def parse_args(argv, prog):
         opts.out = (os.path.join("results", "cluster", "%s-%dw-%s" % (opts.model, opts.workers, bw))
                     if opts.mode == "throughput"
                     else os.path.join("results", "accuracy", "%s-%dw" % (opts.model, opts.workers)))
+    opts.out = os.path.abspath(opts.out)  # the jobs run in the checkout's root, not here
     return opts
 
 
