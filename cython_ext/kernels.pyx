@@ -256,6 +256,19 @@ cdef EncodeJob _lane_job(levels_fn levels, const float[::1] grad, float[::1] res
                 powers, checked)
 
 
+def count_nonfinite(const float[::1] values, int num_threads):
+    """The number of NaN and +-Inf in `values` (chunks of CHECK_CHUNK over the threads)."""
+    cdef Py_ssize_t n = values.shape[0], c, bad = 0
+    cdef Py_ssize_t n_chunks = _ceil_div(n, CHECK_CHUNK)
+    if n == 0:
+        return 0
+    cdef const float* x = &values[0]
+    with nogil:
+        for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
+            bad += _count_bad(x + c * CHECK_CHUNK, min(CHECK_CHUNK, n - c * CHECK_CHUNK))
+    return bad
+
+
 # ---------------------------------------------------------------- codecs
 include "codec_none.pxi"
 include "codec_1bit.pxi"

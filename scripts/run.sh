@@ -3,7 +3,9 @@
 # Cython kernels, then runs what was asked.
 #
 #   bash scripts/run.sh test [PYTEST_ARGS...]   # the test suite
-#   bash scripts/run.sh train [TRAIN_ARGS...]   # the main job: 2 workers + 2 servers, slimgc 2bit, MNIST-1D
+#   bash scripts/run.sh train [TRAIN_ARGS...]   # the main job: 2 workers + 2 servers, slimgc 2bit,
+#                                               # MNIST-1D, on an emulated 1 Gbit/s cluster when
+#                                               # this machine can make one (root, namespaces)
 #   bash scripts/run.sh setup                   # only install and build
 #   bash scripts/run.sh python ARGS...          # the venv's python (e.g. -m slimgc_mx.bench codecs)
 #
@@ -46,7 +48,18 @@ case "$cmd" in
         exec "$VENV/bin/python" -m pytest -q "$@" ;;
     train)
         setup
-        exec "$VENV/bin/python" -m slimgc_mx.launch -n 2 -s 2 --launcher local \
+        for arg in "$@"; do
+            case "$arg" in -h|--help) exec "$VENV/bin/python" scripts/train.py --help ;; esac
+        done
+        if why=$("$VENV/bin/python" -m slimgc_mx.launch.netns --check); then
+            where=(--launcher netns --bandwidth 1gbit)
+            log "2 workers + 2 servers, each in its own network namespace on a 1 Gbit/s link"
+        else
+            where=(--launcher local)
+            log "2 workers + 2 servers on loopback ($why): with no link to save, compression" \
+                "may not pay, and the threshold table may choose full precision"
+        fi
+        exec "$VENV/bin/python" -m slimgc_mx.launch -n 2 -s 2 "${where[@]}" \
             "$VENV/bin/python" scripts/train.py --kvstore slimgc --compressor 2bit \
             --model cnn1d --dataset mnist1d "$@" ;;
     python)

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import slimgc_mx  # noqa: E402  (registers the kvstore; imports nothing else)
 from slimgc_mx.bench import datasets, models  # noqa: E402
 
 KVSTORES = ("slimgc", "dist_sync", "local")
@@ -36,17 +37,20 @@ COMPRESSORS = ("none", "1bit", "2bit", "4bit")
 
 
 def comm_threshold(text):
-    """--comm-threshold: 'auto', 'off', or a size in bytes."""
-    t = text.strip().lower()
-    if t in ("auto", "off"):
-        return t
-    try:
+    """--comm-threshold: 'auto', 'off', a size in bytes, or a saved CTTab decision (.json)."""
+    t = text.strip()
+    if t.lower() in ("auto", "off"):
+        return t.lower()
+    if t.lstrip("-").isdigit():
         v = int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected auto, off or a byte count, got %r" % text)
-    if v < 0:
-        raise argparse.ArgumentTypeError("byte count must be >= 0, got %d" % v)
-    return v
+        if v < 0:
+            raise argparse.ArgumentTypeError("byte count must be >= 0, got %d" % v)
+        return v
+    if os.path.isfile(t):
+        return t
+    raise argparse.ArgumentTypeError("expected auto, off, a byte count or the .json file of a "
+                                     "saved CTTab decision (FILE.cttab.json of an earlier "
+                                     "--json run), got %r" % text)
 
 
 def positive_int(text):
@@ -71,9 +75,11 @@ def build_parser():
                         "(dist_sync hands it to MXNet's own gradient compression)")
     g.add_argument("--threshold", type=float, default=0.5,
                    help="compressor threshold (quantization level scale)")
-    g.add_argument("--comm-threshold", type=comm_threshold, default="auto", metavar="auto|BYTES|off",
+    g.add_argument("--comm-threshold", type=comm_threshold, default="auto",
+                   metavar="auto|BYTES|off|FILE",
                    help="slimgc: tensors smaller than this go uncompressed; auto = measured "
-                        "during warm-up (CTTab), off = compress every tensor")
+                        "during warm-up (CTTab), off = compress every tensor, FILE = replay the "
+                        "decision saved in FILE (the .cttab.json beside an earlier --json)")
     g.add_argument("--no-backup", action="store_true",
                    help="slimgc: disable model backup (the next forward pass waits for the "
                         "global weights)")
@@ -131,7 +137,6 @@ def make_kvstore(args):
         if args.compressor != "none":
             params = {"type": args.compressor, "threshold": args.threshold}
         return kv, params
-    import slimgc_mx  # noqa: F401  (registers the kvstore)
     kv = mx.kv.create("slimgc")
     params = {"type": args.compressor, "threshold": args.threshold,
               "comm_threshold": args.comm_threshold,
@@ -189,20 +194,24 @@ class Evaluator:
 
 
 def fmt_bytes(n):
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+    """Bytes in binary units (KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
             return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
         n /= 1024.0
 
 
 def progress_bar(total, desc, enabled):
+    """A tqdm bar on stderr; under the launcher its refreshes reach the terminal through it."""
     try:
         from tqdm import tqdm
     except ImportError:
         return None
     if not enabled:
         return None
-    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=tty,
+                ncols=None if tty else 100)
 
 
 def main(argv=None, on_step=None):
@@ -263,7 +272,8 @@ def main(argv=None, on_step=None):
                             compression_params=compression_params)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     global_batch = args.batch_size * num_workers
-    show_bar = is_root and not args.no_progress and sys.stderr.isatty()
+    show_bar = is_root and not args.no_progress and (
+        sys.stderr.isatty() or bool(os.environ.get("SLIMGC_TERMINAL")))
 
     if is_root:
         print("%s on %s | kvstore %s (%d worker%s) | compressor %s | %d params in %d tensors | "
@@ -304,7 +314,8 @@ def main(argv=None, on_step=None):
         train_time += epoch_time
         if bar is not None:
             bar.close()
-        acc = evaluate(net, data.x_test, data.y_test)
+        slimgc_mx.flush(trainer)  # evaluate the global weights (with backup on, the
+        acc = evaluate(net, data.x_test, data.y_test)  # parameters hold this worker's loc_buf)
         rec = {"epoch": epoch, "train_loss": loss_sum / steps, "test_acc": acc,
                "samples_per_s": steps * global_batch / epoch_time, "time_s": epoch_time,
                "steps": steps}
@@ -313,11 +324,8 @@ def main(argv=None, on_step=None):
             print("epoch %3d  train loss %.4f  test acc %.4f  %9.1f samples/s  %6.1f s"
                   % (epoch, rec["train_loss"], acc, rec["samples_per_s"], epoch_time), flush=True)
 
-    # The SlimGC kvstore may hold newer global weights than the (local-backup) params.
     kvobj = getattr(trainer, "_kvstore", None) or kv
-    flush = getattr(kvobj, "flush", None)
-    if callable(flush):
-        flush()
+    slimgc_mx.flush(trainer)
     final_acc = evaluate(net, data.x_test, data.y_test)
     digest = hashlib.sha256()
     for name, param in sorted(net.collect_params().items()):
@@ -366,8 +374,10 @@ def main(argv=None, on_step=None):
             elif args.compressor == "none":
                 chosen = "n/a (compressor none)"
             else:
-                chosen = "never (CTTab: compression does not pay on this link)"
-            summary.append("comm threshold %s%s" % (chosen, " (%s)" % phase if phase else ""))
+                chosen = "never"
+            reason = stats.get("cttab_reason")
+            summary.append("comm threshold %s%s%s" % (chosen, " (%s)" % phase if phase else "",
+                                                    ": " + reason if reason else ""))
             pushed, pulled, fp32 = (stats.get(k) for k in ("bytes_pushed", "bytes_pulled",
                                                            "bytes_fp32"))
             if pushed is not None and fp32:

@@ -17,11 +17,12 @@ import numpy as np
 from . import agreement, codecs
 from .backup import ModelBackup
 from .grad_buf import GradCheck, Push
-from .pipeline import Pipeline, TransferStats
+from .pipeline import Pipeline, TransferStats, mark_nonfinite
 from .planner import Planner
 from .threshold import CTTab, NEVER
 from .transport import ArrayOps, Buffer, EngineNotifier, copy_array
-from .update import GlobalUpdate, LocalUpdater, OptSettings
+from .update import (GlobalUpdate, LocalUpdater, OptSettings, check_loc_optimizer,
+                     optimizer_settings)
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +30,20 @@ log = logging.getLogger(__name__)
 class Aggregator:
     """The keys of one worker and everything between their gradients and glo_buf."""
 
-    def __init__(self, config, transport):
+    def __init__(self, config, transport, compress_sums=True):
+        """compress_sums: whether pushes without an optimizer (plain sums) may be compressed;
+        the kvstore allows it only when the user chose a compressor."""
         self.config = config
         self.transport = transport
+        self.compress_sums = compress_sums
         cfg = config
         if cfg.compressor == "none":
             codec, cttab = None, CTTab(NEVER, cfg.warmup_steps, cfg.cttab_rule)
         else:
             codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
                                   num_threads=cfg.num_threads)
-            cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule)
+            cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule,
+                          cfg.cttab_margin)
         self.cttab = cttab
         self.codec = codec
         transport.check_exact_sums()
@@ -50,10 +55,11 @@ class Aggregator:
         self.engine.on_error = partial(self.backup.fail, where="an operator run by MXNet's engine")
         self.pipeline = Pipeline(transport, self._finish, self.backup.fail, self.engine)
         self.planner = Planner(cfg, transport, codec, cttab, Buffer, _device_codec,
-                               self.backup.wait_version)
+                               self.backup.wait_version, self.name_of)
         self.stats = TransferStats()
         self.update = None  # GlobalUpdate, once an optimizer is set
         self._local = None  # LocalUpdater, built at the first local update
+        self.params_local = False  # some parameters hold loc_buf, not the global weights
         log.info("slimgc: rank %d/%d, transport %s, %s", transport.rank, transport.num_workers,
                  transport.kind, cfg)
 
@@ -68,9 +74,26 @@ class Aggregator:
 
     # -- optimizer -------------------------------------------------------------------------
     def set_optimizer(self, optimizer):
-        """Run `optimizer` on the aggregated gradients (glo_buf) and in the local update."""
+        """Run `optimizer` on the aggregated gradients (glo_buf) and in the local update.
+
+        Collective: every worker's optimizer must have the same class and settings.
+        """
+        check_loc_optimizer(self.config.loc_optimizer)
+        agreement.check(self.transport, optimizer_settings(optimizer), what="optimizer settings")
         self.update = GlobalUpdate(optimizer, self.config.num_threads)
         self._local = None
+
+    def name_of(self, key):
+        """The parameter name of `key` as the optimizer knows it, else None (or the key
+        itself when it is a string, as Module's keys are)."""
+        opt = self.update.optimizer if self.update is not None else None
+        param = (getattr(opt, "param_dict", None) or {}).get(key)
+        if param is not None:
+            return param.name
+        name = (getattr(opt, "idx2name", None) or {}).get(key)
+        if name is None and isinstance(key, str):
+            name = key
+        return name
 
     def local_updater(self):
         if self._local is None:
@@ -112,18 +135,27 @@ class Aggregator:
         self.backup.add(key, weight.nd)
 
     # -- the data path ---------------------------------------------------------------------
-    def push(self, key, grads, outs):
-        """One step of `key`: `grads` (per device) in, `outs` get loc_buf or w_{i+1}."""
+    def push(self, key, grads, outs=None, priority=0):
+        """One step of `key`: `grads` (per device) in.
+
+        With an optimizer the key's value becomes w_{i+1} and `outs` (if given) get
+        loc_buf (backup) or w_{i+1}; without one, the key's value becomes the sum over
+        workers, as on MXNet's dist_sync servers. pull() reads the value.
+        """
         b = self._checked(key, grads)
         step = self._next_step(key)
+        if self.update is None:
+            return self._push_sum(key, b, step, grads, priority)
         bucket = self.planner.bucket(key)
         if bucket is not None and bucket.holds(key):
-            self._submit(bucket.take())  # pushed again before the rest of its bucket
+            self._submit(bucket.take(self.name_of))  # pushed again before the rest of its bucket
         self.backup.wait_version(key, step)  # grad_buf and the residual are free again
         grad = _sum(grads)
         copy_array(grad, b.grad_buf.nd)
-        push = Push(key, b, step, local=self.config.backup and outs is not None)
+        push = Push(key, b, step, local=self.config.backup and outs is not None,
+                    priority=priority)
         if push.local:
+            self.params_local = True
             if self.planner.checks_in_local_update(b, step):
                 push.check = GradCheck()
             self.backup.local_step(key, step, b.grad_buf, outs,
@@ -133,23 +165,19 @@ class Aggregator:
             self._submit(self.planner.transfer(push, settings, self.update.decodes_in_update),
                          grad)
         elif bucket.add(push, settings):
-            self._submit(bucket.take())
+            self._submit(bucket.take(self.name_of))
         self.planner.steps[key] = step + 1
         if not self.config.backup and outs is not None:
             self.backup.write_back(key, step + 1, outs)
 
-    def allreduce(self, key, grads, outs):
-        """No optimizer set: `outs` get the gradient summed over contexts and workers."""
-        b = self._checked(key, grads)
-        step = self._next_step(key)
+    def _push_sum(self, key, b, step, grads, priority):
+        """No optimizer: the sum over contexts and workers becomes the key's value."""
         self.backup.wait_version(key, step)
         grad = _sum(grads)
         copy_array(grad, b.grad_buf.nd)
-        self._submit(self.planner.transfer(Push(key, b, step, local=False), None, None), grad)
+        push = Push(key, b, step, local=False, priority=priority)
+        self._submit(self.planner.transfer(push, None, None, compress=self.compress_sums), grad)
         self.planner.steps[key] = step + 1
-        self.backup.wait_version(key, step + 1)
-        for o in outs:
-            copy_array(b.agg.nd, o)
 
     def _checked(self, key, grads):
         b = self.planner.buffers(key)
@@ -175,8 +203,9 @@ class Aggregator:
             # Offload off: encode with NDArray ops on the gradient's own context, in line.
             try:
                 b.device.encode(grad, b.residual.nd, self.num_workers, out=b.bit_buf.nd)
+                b.residual_pending = True
             except codecs.NonFiniteGradientError:
-                b.bit_buf.nd[:] = np.nan
+                mark_nonfinite(b.bit_buf.for_write(), self.transport.rank)
                 transfer.nonfinite = True
         self.pipeline.submit(transfer)
 
@@ -198,7 +227,7 @@ class Aggregator:
                           transfer.t_proc, transfer.wire[1].nbytes)
         published = [(p.key, p.step, p.local) for p in transfer.pushes]
         if transfer.settings is None:
-            self.backup.publish(published, lambda glos: None)
+            self.backup.publish(published, partial(_store_sums, transfer))
             return
         table = self.update.prepare(transfer, self.num_workers)
         self.backup.publish(published, partial(self.update, transfer, table))
@@ -227,7 +256,7 @@ class Aggregator:
 
     # -- reading weights back --------------------------------------------------------------
     def pull(self, key, outs):
-        """Write the newest global weights of `key` into `outs`."""
+        """Write the key's newest value (global weights, or the last sum) into `outs`."""
         self.send_pending()
         self.backup.wait_version(key, self.planner.steps[key])
         for dst in outs:
@@ -238,6 +267,7 @@ class Aggregator:
         self.send_pending()
         self.pipeline.wait_idle(self.config.timeout)
         self.backup.flush()
+        self.params_local = False
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -283,11 +313,19 @@ def report(agg, compressor, pieces):
         "blocked_s": agg.backup.blocked_s if agg else 0.0,
         "cttab": list(cttab.rows) if cttab else [],
         "cttab_rule": cttab.rule if cttab else None,
+        "cttab_margin": cttab.margin if cttab else None,
+        "cttab_reason": cttab.reason if cttab else None,
         "cttab_link": cttab.link_report() if cttab else None,
         "fused_keys": len(fused.keys) if fused is not None else 0,
         "fused_buckets": len(fused.buckets) if fused is not None else 0,
         "wire_pieces": pieces,
     }
+
+
+def _store_sums(transfer, glos):
+    """No optimizer: the key's value (glo_buf) becomes the sum over workers."""
+    for push, glo in zip(transfer.pushes, glos):
+        np.copyto(glo.for_write(), push.buffers.agg.for_read())
 
 
 def _device_codec(codec):

@@ -6,10 +6,11 @@ constructor kwargs / Trainer's `compression_params`.
 import dataclasses
 import math
 import threading
+import warnings
 from typing import Optional, Union
 
 from . import codecs, env
-from .threshold import check_rule
+from .threshold import check_rule, load_decision
 
 # A buffer larger than this travels as pieces of at most this many bytes, each its own
 # wire key (0: whole). MXNet's dist_sync answers a pull only after every worker's push of
@@ -19,6 +20,7 @@ PIECE_BYTES = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _BOOL_FIELDS = ("backup", "offload", "fuse")
+_WARNED = set()  # SLIMGC_* variables already warned about
 
 
 @dataclasses.dataclass
@@ -28,10 +30,13 @@ class SlimGCConfig:
     compressor      codec name: none, 1bit, 2bit, 4bit
     threshold       the codec's threshold (2bit: t; 1bit and 4bit validate it but do not use it)
     comm_threshold  'auto' (warm-up builds the CTTab), a size in bytes (tensors of at least
-                    that many bytes are compressed), or 'off' (compress every tensor)
+                    that many bytes are compressed), 'off' (compress every tensor), or the
+                    path of a saved CTTab decision (PREFIX.json of CTTab.save) to replay
     warmup_steps    warm-up steps of the CTTab (alternating compressed / full precision)
     cttab_rule      how BestCT is read from the CTTab: 'fit' (times of a link fitted to
                     all transfers) or 'measured' (each size's own times, as in the paper)
+    cttab_margin    a size is compressed only if its benefit ratio is at least 1 + margin,
+                    so a benefit within the noise of 1 does not flip between runs
     backup          model backup: loc_buf/glo_buf, the next step starts before aggregation ends
     offload         encode/decode on CPU threads with the Cython codecs (else NDArray ops)
     fuse            after the CTTab's decision, send the full-precision tensors as one
@@ -50,6 +55,7 @@ class SlimGCConfig:
     comm_threshold: Union[str, int] = "auto"
     warmup_steps: int = 20
     cttab_rule: str = "fit"
+    cttab_margin: float = 0.5
     backup: bool = True
     offload: bool = True
     fuse: bool = True
@@ -69,7 +75,17 @@ class SlimGCConfig:
 
     @classmethod
     def from_sources(cls, options=None, environ=None):
-        """Build from SLIMGC_* variables in `environ`, overridden by `options` (a dict)."""
+        """Build from SLIMGC_* variables in `environ`, overridden by `options` (a dict).
+
+        A SLIMGC_* variable that names no option is warned about, once, with the
+        closest valid name.
+        """
+        for var, close in env.unknown_variables(cls.field_names(), environ):
+            if var not in _WARNED:
+                _WARNED.add(var)
+                warnings.warn("%s is not a slimgc option and is ignored%s" % (
+                    var, "; did you mean %s?" % close if close else
+                    " (docs/configuration.md lists the SLIMGC_* variables)"), stacklevel=3)
         values = {name: _parse(name, raw, env.OPTION_PREFIX + name.upper())
                   for name, raw in env.option_variables(cls.field_names(), environ).items()}
         values.update(normalize_options(options or {}))
@@ -90,8 +106,7 @@ class SlimGCConfig:
         ct = self.comm_threshold
         if isinstance(ct, str):
             if ct not in ("auto", "off"):
-                raise ValueError("comm_threshold must be 'auto', 'off' or a size in bytes, "
-                                 "got %r" % ct)
+                load_decision(ct)  # a saved decision to replay; a ValueError says what is wrong
         elif isinstance(ct, bool) or not isinstance(ct, int) or ct < 0:
             raise ValueError("comm_threshold must be 'auto', 'off' or a non-negative size "
                              "in bytes, got %r" % (ct,))
@@ -99,6 +114,11 @@ class SlimGCConfig:
             raise ValueError("warmup_steps must be an integer >= 2 (one compressed and one "
                              "full-precision step per key), got %r" % (self.warmup_steps,))
         check_rule(self.cttab_rule)
+        if (isinstance(self.cttab_margin, bool) or not isinstance(self.cttab_margin, (int, float))
+                or not (0 <= self.cttab_margin < 100)):
+            raise ValueError("cttab_margin must be a number >= 0 (0.25: compress a size only when "
+                             "it is at least 25 %% faster compressed), got %r"
+                             % (self.cttab_margin,))
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError("%s must be True or False, got %r (strings such as 'off' "
@@ -123,9 +143,18 @@ class SlimGCConfig:
     def agreement_fields(self):
         """The settings that must be identical on every worker."""
         return {"compressor": self.compressor, "threshold": float(self.threshold),
-                "comm_threshold": self.comm_threshold, "warmup_steps": self.warmup_steps,
+                "comm_threshold": self._comm_threshold_agreed(), "warmup_steps": self.warmup_steps,
+                "cttab_margin": float(self.cttab_margin),
                 "backup": self.backup, "offload": self.offload, "fuse": self.fuse,
                 "piece_bytes": self.piece_bytes}
+
+
+    def _comm_threshold_agreed(self):
+        """comm_threshold as workers compare it: a replayed file by the decision it holds."""
+        ct = self.comm_threshold
+        if isinstance(ct, str) and ct not in ("auto", "off"):
+            return "saved decision %s" % (load_decision(ct)["best_ct"],)
+        return ct
 
 
 # Trainer's compression_params follows MXNet's {'type': '2bit', 'threshold': 0.5}.
@@ -158,12 +187,14 @@ def _parse(name, raw, where):
             if low in _FALSE:
                 return False
             raise ValueError
-        if name in ("threshold", "timeout", "loc_lr"):
+        if name in ("threshold", "timeout", "loc_lr", "cttab_margin"):
             return float(raw)
         if name in ("warmup_steps", "num_threads", "audit_every", "piece_bytes"):
             return int(raw)
         if name == "comm_threshold":
-            return raw.lower() if raw.lower() in ("auto", "off") else int(raw)
+            if raw.lower() in ("auto", "off"):
+                return raw.lower()
+            return int(raw) if raw.isdigit() else raw  # else: a saved decision's path
         return raw
     except ValueError:
         raise ValueError("cannot parse %s=%r for option %r: expected %s"
@@ -175,4 +206,5 @@ _EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
              "threshold": "a number", "timeout": "a number of seconds", "loc_lr": "a number",
              "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
              "piece_bytes": "an integer number of bytes",
-             "comm_threshold": "'auto', 'off' or a size in bytes"}
+             "cttab_margin": "a number",
+             "comm_threshold": "'auto', 'off', a size in bytes or a saved CTTab file"}

@@ -14,8 +14,14 @@ NUM_THREADS_VAR = "SLIMGC_NUM_THREADS"
 LAUNCH_INDEX_VAR = "SLIMGC_LAUNCH_INDEX"
 #: The ssh program of the launcher's ssh mode.
 SSH_VAR = "SLIMGC_SSH"
+#: Set by the launcher when its own output is a terminal (processes may draw progress bars).
+TERMINAL_VAR = "SLIMGC_TERMINAL"
 #: Variables of this package that are not kvstore options.
-OWN_VARS = (NUM_THREADS_VAR, LAUNCH_INDEX_VAR, SSH_VAR)
+OWN_VARS = (NUM_THREADS_VAR, LAUNCH_INDEX_VAR, SSH_VAR, TERMINAL_VAR)
+#: What a launched worker prints once it knows its kvstore rank; the launcher then labels
+#: the worker's lines with that rank (MXNet's ranks need not follow the launch order).
+RANK_MARKER = "slimgc: worker %d is kvstore rank %d of %d"
+RANK_MARKER_PATTERN = rb"^slimgc: worker \d+ is kvstore rank (\d+) of \d+$"
 
 #: MXNet's engine runs CPU operators on this many threads (default 1). With one, a
 #: worker's transfers (the kvstore's push and pull operators) and SlimGC's copies wait
@@ -115,6 +121,12 @@ def launched_as_worker(environ=None):
     """True in a worker process of a parameter-server job (DMLC_ROLE=worker, DMLC_NUM_WORKER set)."""
     env = _environ(environ)
     return env.get("DMLC_ROLE") == "worker" and bool(env.get("DMLC_NUM_WORKER"))
+
+
+def launch_index(environ=None):
+    """The launcher's index of this process within its role, or None when not launched by it."""
+    raw = _environ(environ).get(LAUNCH_INDEX_VAR, "")
+    return int(raw) if raw.isdigit() else None
 
 
 def num_servers(environ=None):

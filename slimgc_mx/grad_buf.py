@@ -33,6 +33,7 @@ class KeyBuffers:
         self.grad_buf = make_buffer(shape, np.float32)
         self.agg = make_buffer(shape, np.float32)
         self.device = None
+        self.residual_pending = False  # the residual may hold error feedback not yet sent
         if codec is not None:
             self.residual = make_buffer((size,), np.float32)
             lanes = max(1, codec.lane_count(size, num_workers))
@@ -74,3 +75,4 @@ class Push:
     step: int
     local: bool  # its local update (backup) has run: publishing waits for the loc_buf flag
     check: Optional[GradCheck] = None
+    priority: int = 0  # MXNet's priority of its transfer (Trainer and Module pass -index)

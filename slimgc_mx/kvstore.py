@@ -1,16 +1,18 @@
-"""SlimGC as an MXNet KVStore: `kvstore='slimgc'` in gluon.Trainer, or mx.kv.create('slimgc').
+"""SlimGC as an MXNet KVStore: kvstore='slimgc' (or 'dist_sync_slimgc') in gluon.Trainer,
+Module.fit, or mx.kv.create.
 
 A thin adapter: it turns MXNet's calling conventions (keys or lists of keys, per-device
-value lists, `out`, the Updater that Trainer reads back) into calls on an
+value lists, `out`, priorities, the Updater that Trainer reads back) into calls on an
 aggregator.Aggregator, which holds SlimGC's data path. Registered with MXNet by
-mxnet_hooks.register().
+mxnet_hooks.register(). Its semantics are dist_sync's: without an optimizer a push
+makes the sum over workers the key's value; with one, the updated weights.
 """
 import logging
 
 import mxnet as mx
 from mxnet.kvstore import KVStoreBase
 
-from . import checkpoint, mxnet_hooks, shutdown
+from . import checkpoint, env, mxnet_hooks, shutdown
 from .aggregator import Aggregator, report
 from .config import SlimGCConfig
 from .transport import create_transport
@@ -28,6 +30,9 @@ class SlimGC(KVStoreBase):
 
     def __init__(self, transport=None, **options):
         self.config = SlimGCConfig.from_sources(options)
+        # Plain sums (no optimizer) are compressed only when the user chose a compressor.
+        self._compressor_chosen = ("compressor" in options or "type" in options
+                                   or bool(env.option_variables(["compressor"])))
         self._transport = transport
         self._agg = None  # Aggregator, built when the first key is initialized
         self._optimizer = None  # the Trainer's optimizer (it sets lr / rescale_grad on it)
@@ -37,7 +42,9 @@ class SlimGC(KVStoreBase):
     # -- KVStoreBase properties ------------------------------------------------------------
     @property
     def type(self):
-        return "slimgc"
+        """'dist_sync_slimgc', whichever name created it: MXNet's Module and example scripts
+        test 'dist' and '_sync' in it to scale gradients by the workers, as for dist_sync."""
+        return TYPE
 
     @property
     def rank(self):
@@ -65,7 +72,8 @@ class SlimGC(KVStoreBase):
         if self._agg is None and key is not None:
             raise KeyError("key %r was not initialized (call init or broadcast first)" % (key,))
         if self._agg is None:
-            self._agg = Aggregator(self.config, self._ensure_transport())
+            self._agg = Aggregator(self.config, self._ensure_transport(),
+                                   compress_sums=self._compressor_chosen)
             if self._optimizer is not None:
                 self._agg.set_optimizer(self._optimizer)
         return self._agg
@@ -77,6 +85,7 @@ class SlimGC(KVStoreBase):
             raise RuntimeError("set_gradient_compression must be called before any key is "
                                "initialized (gluon.Trainer does so itself)")
         self.config = self.config.replace(compression_params)
+        self._compressor_chosen |= "type" in compression_params or "compressor" in compression_params
 
     def set_optimizer(self, optimizer):
         """Run `optimizer` on the aggregated gradients, on every worker."""
@@ -99,15 +108,27 @@ class SlimGC(KVStoreBase):
                 agg.backup.glo_buf(k).copyto(dst)
 
     # -- the data path ---------------------------------------------------------------------
+    def push(self, key, value, priority=0):
+        """Push `value` (an NDArray, or one per device) of `key`, or lists of keys and values.
+
+        Without an optimizer the sum over devices and workers becomes the key's value;
+        with one, the optimizer's step on that sum. pull() waits for it.
+        """
+        for k, v, _ in _triples(key, value, None):
+            self._aggregator(k).push(k, _as_list(v), None, priority)
+
     def pushpull(self, key, value, out=None, priority=0):
-        """Aggregate gradients `value` over workers; with an optimizer, `out` gets the weights."""
+        """push, then pull into `out`; with an optimizer and `out`, the trainer's parameters:
+        they get loc_buf (backup on) at once or w_{i+1} when it is ready. Without an
+        optimizer `out` (default: `value`) gets the sum over devices and workers."""
         for k, v, o in _triples(key, value, out):
             agg = self._aggregator(k)
             grads, outs = _as_list(v), _as_list(o) if o is not None else None
             if self._optimizer is None:
-                agg.allreduce(k, grads, outs if outs is not None else grads)
+                agg.push(k, grads, None, priority)
+                agg.pull(k, outs if outs is not None else grads)
             else:
-                agg.push(k, grads, outs)
+                agg.push(k, grads, outs, priority)
 
     def send_pending(self):
         """Send the fused buckets still waiting for parameters not pushed this step."""
@@ -115,9 +136,30 @@ class SlimGC(KVStoreBase):
             self._agg.send_pending()
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
-        """Write the newest global weights of `key` into `out`."""
+        """Write the key's newest value (global weights, or the last sum) into `out`."""
         for k, o, _ in _triples(key, out, None):
             self._aggregator(k).pull(k, _as_list(o))
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """Write rows `row_ids` of the key's newest value into the row_sparse `out`.
+
+        SlimGC keeps every key dense, so this reads the rows of the dense value.
+        """
+        if row_ids is None:
+            raise ValueError("row_sparse_pull needs row_ids (the rows to pull)")
+        outs, ids = _as_list(out), _as_list(row_ids)
+        if len(ids) == 1:
+            ids = ids * len(outs)
+        if len(ids) != len(outs) or isinstance(key, (list, tuple)) and len(key) != 1:
+            raise ValueError("row_sparse_pull takes one key and one row_ids per out array")
+        k = key[0] if isinstance(key, (list, tuple)) else key
+        for dst, rows in zip(outs, ids):
+            if dst.stype != "row_sparse":
+                raise TypeError("row_sparse_pull writes row_sparse arrays, got stype %r; use "
+                                "pull() for dense arrays" % dst.stype)
+            value = mx.nd.zeros(dst.shape, dtype=dst.dtype)
+            self._aggregator(k).pull(k, [value])
+            mx.nd.sparse.retain(value.tostype("row_sparse"), rows).copyto(dst)
 
     def flush(self):
         """Wait for every aggregation in flight and write the global weights into the parameters.
@@ -129,6 +171,12 @@ class SlimGC(KVStoreBase):
             return
         self._agg.flush()
         mx.nd.waitall()
+
+    def flush_local(self):
+        """flush() if some parameters hold this worker's loc_buf (Module calls it before it
+        reads its parameters or evaluates)."""
+        if self._agg is not None and self._agg.params_local:
+            self.flush()
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_optimizer_states(self, fname, dump_optimizer=False):
@@ -182,6 +230,10 @@ class SlimGC(KVStoreBase):
         if broken:
             return self._transport.kind != "dist_sync"
         return self._transport is None or self._transport.close(shutdown.SHUTDOWN_TIMEOUT)
+
+
+#: What SlimGC.type returns.
+TYPE = "dist_sync_slimgc"
 
 
 class _UpdaterView:

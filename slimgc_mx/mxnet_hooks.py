@@ -1,36 +1,55 @@
-"""Where SlimGC meets MXNet's training loops: the kvstore names, and Trainer's step.
+"""Where SlimGC meets MXNet's training loops: the kvstore names, Trainer and Module.
 
 register() runs once MXNet is imported and slimgc_mx too (see slimgc_mx/__init__.py):
-  - registers SlimGC in MXNet's kvstore registry under 'slimgc', so mx.kv.create and
-    every `kvstore=` argument accept the name;
-  - lets MXNet's _create_kvstore create it for a single device: MXNet drops any kvstore
-    name without 'dist' when there is one device, and Trainer would train alone.
+  - registers SlimGC in MXNet's kvstore registry under 'slimgc' and 'dist_sync_slimgc',
+    so mx.kv.create and every `kvstore=` argument accept both names;
+  - lets MXNet's _create_kvstore create them for a single device: MXNet drops any kvstore
+    name without 'dist' when there is one device, and Trainer or Module would train alone;
+  - makes gluon.Trainer refuse sparse gradients for these names with a TypeError naming
+    the parameters, before MXNet's own message about multi-device training.
 install() runs when the first SlimGC store is created:
   - gluon.Trainer's reduction: after MXNet's pushes of a step, the store sends the fused
-    buckets still waiting for parameters that were not pushed (send_pending).
-Both are idempotent and change nothing for other kvstores.
+    buckets still waiting for parameters that were not pushed (send_pending);
+  - Module: before it reads its parameters back (get_params, save_checkpoint, the
+    epoch-end callback) or runs an inference forward pass (score, predict), the store
+    writes the global weights into them; during training they hold loc_buf.
+All are idempotent and change nothing for other kvstores.
 """
 import threading
 
 _lock = threading.Lock()
 _done = set()
 
-#: The names SlimGC is registered under in MXNet's kvstore registry.
-NAMES = ("slimgc",)
+#: The names SlimGC is registered under in MXNet's kvstore registry. MXNet's example
+#: scripts decide by the name whether a job is dist_sync: pass them 'dist_sync_slimgc'.
+NAMES = ("slimgc", "dist_sync_slimgc")
+
+
+def _once(step):
+    with _lock:
+        if step in _done:
+            return False
+        _done.add(step)
+        return True
+
+
+def is_slimgc(kvstore):
+    """True for a SlimGC store or one of its registered names."""
+    from .kvstore import SlimGC
+    return isinstance(kvstore, SlimGC) or isinstance(kvstore, str) and kvstore.lower() in NAMES
 
 
 def register():
-    """Register the kvstore names and the single-device creation (idempotent)."""
-    with _lock:
-        if "register" in _done:
-            return
-        _done.add("register")
+    """Register the kvstore names, the single-device creation and the sparse check."""
+    if not _once("register"):
+        return
     from mxnet.kvstore import KVStoreBase
 
     from .kvstore import SlimGC
     for name in NAMES:
         KVStoreBase.kv_registry[name] = SlimGC
     _wrap_create_kvstore()
+    _refuse_sparse_gradients()
 
 
 def _wrap_create_kvstore():
@@ -56,13 +75,32 @@ def _wrap_create_kvstore():
         mod._create_kvstore = _create_kvstore
 
 
-def install():
-    """Hook gluon.Trainer's reduction so that partial fused buckets go out (idempotent)."""
-    with _lock:
-        if "install" in _done:
-            return
-        _done.add("install")
+def _refuse_sparse_gradients():
+    """gluon.Trainer with a SlimGC kvstore and sparse weights or gradients: a TypeError."""
     import mxnet.gluon.trainer as trainer_mod
+    init_kvstore = trainer_mod.Trainer._init_kvstore
+
+    def _init_kvstore(trainer):
+        if is_slimgc(trainer._kvstore_params["kvstore"]):
+            sparse = [p.name for p in trainer._params
+                      if p._stype != "default" or p._grad_stype != "default"]
+            if sparse:
+                raise TypeError(
+                    "slimgc aggregates dense gradients only, but parameter%s %s ha%s sparse "
+                    "weights or gradients; use kvstore='dist_sync' for sparse models, or "
+                    "sparse_grad=False" % ("s" if len(sparse) > 1 else "", ", ".join(sparse),
+                                           "ve" if len(sparse) > 1 else "s"))
+        init_kvstore(trainer)
+
+    trainer_mod.Trainer._init_kvstore = _init_kvstore
+
+
+def install():
+    """Trainer's end-of-step hook and Module's global-weight reads (idempotent)."""
+    if not _once("install"):
+        return
+    import mxnet.gluon.trainer as trainer_mod
+    import mxnet.module.module as module_mod
 
     from .kvstore import SlimGC
     allreduce = trainer_mod.Trainer._allreduce_grads
@@ -74,3 +112,23 @@ def install():
             trainer._kvstore.send_pending()
 
     trainer_mod.Trainer._allreduce_grads = _allreduce_grads
+
+    module = module_mod.Module
+    sync_params = module._sync_params_from_devices
+    forward = module.forward
+
+    def _sync_params_from_devices(mod):
+        """Module reads its parameters back: the global weights, not this worker's loc_buf."""
+        if isinstance(mod._kvstore, SlimGC):
+            mod._kvstore.flush_local()
+        sync_params(mod)
+
+    def _forward(mod, data_batch, is_train=None):
+        """An inference forward pass (score, predict) runs on the global weights."""
+        training = mod.for_training if is_train is None else is_train
+        if not training and isinstance(mod._kvstore, SlimGC):
+            mod._kvstore.flush_local()
+        return forward(mod, data_batch, is_train)
+
+    module._sync_params_from_devices = _sync_params_from_devices
+    module.forward = _forward

@@ -25,6 +25,7 @@ from typing import List, Optional
 import numpy as np
 
 from .codecs import NonFiniteGradientError
+from .codecs.base import kernels
 from .grad_buf import GradCheck, Push
 
 
@@ -54,8 +55,9 @@ class Transfer:
     step: int
     pushes: List[Push]  # the keys' gradients it carries (one, or a bucket's members)
     settings: Optional[object]  # update.OptSettings of the step; None: a plain sum, no update
-    label: str  # how messages name it: "key 3", "keys 0..5 (fused)"
+    label: str  # how messages name it: "dense0_weight", "parameters a, b, c (fused)"
     compressed: bool  # bit_buf route (else fp_buf)
+    priority: int = 0  # MXNet's priority of its engine operators (higher goes first)
     serial: bool = False  # warm-up: transferred alone and timed, in the trainer's key order
     decode_in_update: bool = False  # the SGD kernel decodes bit_sum inside its update
     check: Optional[GradCheck] = None  # set: enters once check.ready is readable
@@ -117,7 +119,8 @@ class Pipeline:
             self._queues[0].put(transfer)
         else:
             self._notifier.when_readable(transfer.ready_array(),
-                                         lambda: self._queues[0].put(transfer))
+                                         lambda: self._queues[0].put(transfer),
+                                         transfer.priority)
 
     def wait_idle(self, timeout):
         """Block until every submitted transfer has finished; raise on failure or timeout."""
@@ -173,7 +176,13 @@ class Pipeline:
     def _encode(self, t):
         b = t.buffers
         if not t.compressed:
-            b.grad_buf.for_read()
+            for push in t.pushes:
+                if push.buffers.residual_pending:
+                    _flush_residual(push.buffers)
+            grad = b.grad_buf.for_read()
+            if kernels().count_nonfinite(grad, 1 if grad.size < 1 << 16 else 2):
+                mark_nonfinite(b.grad_buf.for_write(), self.transport.rank)
+                t.nonfinite = True
         elif b.device is not None:
             t0 = time.perf_counter()
             b.bit_buf.for_read()  # encoded by NDArray ops queued on the training thread
@@ -188,15 +197,16 @@ class Pipeline:
                     raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
                 b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,
                                grad_checked=checked)
+                b.residual_pending = True
             except NonFiniteGradientError:
-                lanes.fill(np.nan)
+                mark_nonfinite(lanes, self.transport.rank)
                 t.nonfinite = True
             t.t_proc += time.perf_counter() - t0
 
     def _communicate(self, t):
         wire, send, recv = t.wire
         t.t_start = time.perf_counter()
-        t.handle = self.transport.push_pull(wire, send, recv)
+        t.handle = self.transport.push_pull(wire, send, recv, t.priority)
         if t.serial:
             t.handle.wait()
             t.t_comm = t.handle.elapsed or time.perf_counter() - t.t_start
@@ -208,11 +218,16 @@ class Pipeline:
             t.t_comm = t.handle.elapsed or time.perf_counter() - t.t_start
         n = self.transport.num_workers
         _, _, received = t.wire
-        if not np.isfinite(received.for_read()).all():
+        values = received.for_read()
+        if not np.isfinite(values).all():
+            sender = nonfinite_sender(values, n)
             raise NonFiniteAggregateError(
-                "%s, step %d: the gradient summed over workers holds NaN/Inf (this worker's "
-                "own gradient %s); no weights were updated. Lower the learning rate or clip "
-                "gradients." % (t.label, t.step, "did" if t.nonfinite else "was finite"))
+                "%s, step %d: the gradient summed over workers holds NaN/Inf, sent by %s "
+                "(this worker's own gradient %s); no weights were updated. Lower the learning "
+                "rate or clip gradients." % (
+                    t.label, t.step, "worker rank %d" % sender if sender is not None
+                    else "a worker this sum does not name (an overflow, or a NaN no check saw)",
+                    "did" if t.nonfinite else "was finite"))
         if t.compressed and b.device is not None:
             t0 = time.perf_counter()
             b.device.decode(b.bit_sum.nd, b.size, n, out=b.agg.nd)
@@ -224,6 +239,41 @@ class Pipeline:
             b.codec.decode(lanes, b.size, n, out=agg)
             t.t_proc += time.perf_counter() - t0
         self._finish(t)
+
+
+def _flush_residual(b):
+    """grad_buf += residual, residual = 0: the key left the compressed route, and the error
+    feedback it kept goes out with this full-precision push (codecs/feedback.py)."""
+    grad = b.grad_buf.for_write()
+    residual = b.residual.for_write()
+    np.add(grad, residual, out=grad)
+    residual.fill(0)
+    b.residual_pending = False
+
+
+#: A quiet NaN's payload bits (float64 / float32), below the quiet bit.
+_PAYLOAD = {np.dtype(np.float64): (np.uint64, 0x7FF8000000000000, 0x0007FFFFFFFFFFFF),
+            np.dtype(np.float32): (np.uint32, 0x7FC00000, 0x003FFFFF)}
+
+
+def mark_nonfinite(array, rank):
+    """Fill `array` with a quiet NaN whose payload is rank + 1.
+
+    The servers' float adds pass a NaN operand's payload on (x86), so every worker
+    finds in the sum which worker sent a non-finite gradient.
+    """
+    uint, quiet, _ = _PAYLOAD[array.dtype]
+    array.view(uint).fill(uint(quiet | (rank + 1)))
+
+
+def nonfinite_sender(array, num_workers):
+    """The rank named by the payload of the first NaN in `array`, or None."""
+    bad = np.flatnonzero(~np.isfinite(array))
+    if not bad.size or not np.isnan(array[bad[0]]):
+        return None
+    uint, _, mask = _PAYLOAD[array.dtype]
+    payload = int(array[bad[0]:bad[0] + 1].view(uint)[0]) & mask
+    return payload - 1 if 1 <= payload <= num_workers else None
 
 
 @dataclass

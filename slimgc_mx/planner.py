@@ -55,10 +55,15 @@ class Bucket:
     def fp_buf(self):
         return self.grad_buf
 
-    @property
-    def label(self):
-        """How messages name the bucket, e.g. 'keys 0..64 (fused)'."""
+    def label(self, name_of):
+        """How messages name the bucket: its parameters' names, e.g. 'parameters conv0_bias,
+        dense0_bias (fused)'; keys without a name as 'keys 0..64 (fused)'."""
         keys = list(self.members)
+        names = [name_of(k) for k in keys]
+        if any(n is not None for n in names):
+            shown = ", ".join(n if n is not None else repr(k) for n, k in zip(names[:6], keys))
+            more = " and %d more" % (len(keys) - 6) if len(keys) > 6 else ""
+            return "parameter%s %s%s (fused)" % ("s" if len(keys) > 1 else "", shown, more)
         if len(keys) == 1:
             return "key %r (fused)" % (keys[0],)
         return "keys %r..%r (fused)" % (keys[0], keys[-1])
@@ -74,11 +79,11 @@ class Bucket:
         self.pending.append(push)
         return len(self.pending) == len(self.members)
 
-    def take(self):
+    def take(self, name_of):
         """The transfer of what is in (the bucket starts collecting the next round)."""
         pending, self.pending = self.pending, []
-        return Transfer(self, pending[0].step, pending, self.settings, self.label,
-                        compressed=False)
+        return Transfer(self, pending[0].step, pending, self.settings, self.label(name_of),
+                        compressed=False, priority=max(p.priority for p in pending))
 
 
 class FusedRoute:
@@ -139,7 +144,7 @@ class Planner:
     """
 
     def __init__(self, config, transport, codec, cttab, make_buffer, device_codec,
-                 wait_version):
+                 wait_version, name_of):
         self.config = config
         self.transport = transport
         self.codec = codec  # the prototype codec; each key gets a clone
@@ -150,6 +155,7 @@ class Planner:
         self._make_buffer = make_buffer
         self._device_codec = device_codec
         self._wait_version = wait_version
+        self._name_of = name_of  # user key -> parameter name, or None
 
     # -- keys ------------------------------------------------------------------------------
     def add(self, key, shape):
@@ -186,19 +192,26 @@ class Planner:
         return (b.device is None and self.cttab.phase != "warmup"
                 and self.compressed(b, step))
 
-    def transfer(self, push, settings, decodes_in_update):
+    def label(self, key):
+        """How messages name a key: its parameter's name, else 'key 3'."""
+        name = self._name_of(key)
+        return name if name is not None else "key %r" % (key,)
+
+    def transfer(self, push, settings, decodes_in_update, compress=True):
         """The transfer of one key's push (not fused). decodes_in_update(buffers): whether
-        the global update can decode this key's compressed sum itself."""
+        the global update can decode this key's compressed sum itself; compress=False
+        keeps it in full precision whatever the CTTab says."""
         b = push.buffers
-        compressed = self.compressed(b, push.step)
+        compressed = compress and self.compressed(b, push.step)
         serial = self.cttab.phase == "warmup"
         check = push.check if push.check is not None and push.check.ready is not None else None
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
         # sum tile by tile inside its update: the aggregate never goes to memory.
         decode_in_update = (compressed and not serial and settings is not None
                             and decodes_in_update(b))
-        return Transfer(b, push.step, [push], settings, "key %r" % (push.key,), compressed,
-                        serial=serial, decode_in_update=decode_in_update, check=check)
+        return Transfer(b, push.step, [push], settings, self.label(push.key), compressed,
+                        priority=push.priority, serial=serial,
+                        decode_in_update=decode_in_update, check=check)
 
     # -- fused buckets ---------------------------------------------------------------------
     def bucket(self, key):
@@ -233,7 +246,7 @@ class Planner:
         """The transfers of buckets still waiting for members that were not pushed."""
         if self.fused is None:
             return []
-        return [bucket.take() for bucket in self.fused.partial()]
+        return [bucket.take(self._name_of) for bucket in self.fused.partial()]
 
     def refuse_stale_buckets(self):
         """After a checkpoint with another BestCT: rebuild the buckets (new wire keys)."""

@@ -1,7 +1,7 @@
 """CTTab, the communication threshold table (SlimGC Strategy 1, Algorithms 1 and 2).
 
 Warm-up: every key alternates compressed (even steps) and full-precision (odd
-steps) transfers; each transfer's time is recorded. The table then gives per
+steps) transfers; each transfer's time is recorded, and each key keeps its fastest. The table then gives per
 tensor size t_c, t_c^q, t_p^q and the benefit ratio t_c / (t_c^q + t_p^q), and
 BestCT is the threshold from which compression pays. Afterwards the router sends
 size < BestCT in full precision and the rest compressed.
@@ -11,14 +11,20 @@ t_c with t_c^q + t_p^q, as the paper does. 'fit' (the default) first fits one
 link, t = latency + wire bytes / bandwidth, to the transfers of both routes,
 and compares the fitted times: on a host whose cores are shared with training,
 two identical small transfers can differ tenfold, and the fit keeps that noise
-from deciding (docs/results.md shows such tables).
+from deciding.
+
+The margin makes the decision reproducible: a size is compressed only when its
+benefit ratio t_c / (t_c^q + t_p^q) is at least 1 + margin (cttab_margin, 0.5 in
+the kvstore). A benefit within the margin of 1 is taken as none, so a size whose
+benefit sits near 1 goes full precision on every run instead of flipping with the
+noise of the warm-up. A decision saved with save() can be replayed: give its JSON
+file as comm_threshold and the table is loaded instead of measured.
 """
 import csv
 import io
 import json
 import logging
 import math
-import statistics
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +39,29 @@ class CTTab:
     rule: 'fit' or 'measured', how BestCT is read from the table (see the module doc).
     """
 
-    def __init__(self, mode="auto", warmup_steps=20, rule="fit"):
+    def __init__(self, mode="auto", warmup_steps=20, rule="fit", margin=0.0):
         check_rule(rule)
         self.mode = mode
         self.warmup_steps = warmup_steps
         self.rule = rule
+        self.margin = margin
         self._samples = {}  # key -> {"nbytes", "wire_q", "fp": [t_c..], "q": [t_c^q..], "proc": [t_p^q..]}
         self.rows = []
         self.link = None  # the fitted {"latency_s", "bandwidth_Bps"} once the table is built
+        self.reason = None  # one sentence: why best_ct is what it is
         if mode == "auto":
             self.phase = "warmup"
             self.best_ct = None
+        elif isinstance(mode, str) and mode != "off":  # a saved decision: replay it
+            self.phase = "trained"
+            saved = load_decision(mode)
+            self.best_ct, self.rows, self.link = saved["best_ct"], saved["rows"], saved["link"]
+            self.reason = "replayed from %s (%s)" % (mode, saved.get("reason") or "saved table")
         else:
             self.phase = "trained"
             self.best_ct = 0 if mode == "off" else mode
+            self.reason = ("comm_threshold=off: every tensor compressed" if mode == "off" else
+                           "fixed by comm_threshold=%s" % (format_bytes(mode),))
 
     def compressed(self, nbytes, step):
         """Route of one transfer: True for bit_buf (compressed), False for fp_buf."""
@@ -76,7 +91,13 @@ class CTTab:
             s["fp"].append(t_comm)
 
     def build(self):
-        """Average the samples (median, to damp network noise) into rows sorted by size.
+        """The samples of each key reduced to its fastest transfer, averaged over the keys
+        of one size into rows sorted by size.
+
+        Interference (other transfers, training on the same cores) only ever adds time,
+        so the fastest of a key's warm-up transfers is what the transfer itself costs, and
+        the most reproducible of the estimates: the paper's averaging over steps, without
+        the noise a busy host adds to it.
 
         Each row also gets the fitted times fit_t_c and fit_t_q (see fit_link).
         """
@@ -84,8 +105,8 @@ class CTTab:
         for s in self._samples.values():
             if s["fp"] and s["q"]:
                 by_size.setdefault(s["nbytes"], []).append(
-                    (statistics.median(s["fp"]), statistics.median(s["q"]),
-                     statistics.median(s["proc"]), s["wire_q"]))
+                    (min(s["fp"]), min(s["q"]),
+                     min(s["proc"]), s["wire_q"]))
         rows = []
         for nbytes in sorted(by_size):
             entries = by_size[nbytes]
@@ -102,48 +123,73 @@ class CTTab:
         return rows
 
     @staticmethod
-    def choose(rows, rule="fit"):
+    def choose(rows, rule="fit", margin=0.0):
         """BestCT: the cut that minimises the table's total time.
 
-        Tensors below the cut cost t_c, those at or above it cost t_c^q + t_p^q
-        (each row weighted by its tensor count); rule 'fit' takes both from the
-        fitted link, 'measured' as measured. With benefit ratios rising with size
-        this is the paper's "smallest size whose ratio > 1"; unlike that rule, one
-        noisy small tensor with ratio > 1 cannot drag the cut down. Ties go to the
-        larger cut (fewer tensors compressed).
+        Tensors below the cut cost t_c, those at or above it cost (1 + margin) times
+        t_c^q + t_p^q (each row weighted by its tensor count); rule 'fit' takes both
+        from the fitted link, 'measured' as measured. With benefit ratios rising with
+        size this is the paper's "smallest size whose ratio > 1 + margin"; unlike that
+        rule, one noisy small tensor with a high ratio cannot drag the cut down. Ties
+        go to the larger cut (fewer tensors compressed).
         """
         check_rule(rule)
         if not rows:
             return NEVER
-        fp, q = ("fit_t_c", "fit_t_q") if rule == "fit" else ("t_c", "t_q")
+        fp, q = _columns(rule)
         cuts = [r["size"] for r in rows] + [NEVER]
         best, best_cost = NEVER, None
         for cut in reversed(cuts):
-            cost = sum(r["tensors"] * (r[fp] if r["size"] < cut else r[q]) for r in rows)
+            cost = sum(r["tensors"] * (r[fp] if r["size"] < cut else (1 + margin) * r[q])
+                       for r in rows)
             if best_cost is None or cost < best_cost * (1 - 1e-9):
                 best, best_cost = cut, cost
         return best
 
     def decide(self):
         """Build the table and read this worker's BestCT from it with the configured rule."""
-        return self.choose(self.build(), self.rule)
+        return self.choose(self.build(), self.rule, self.margin)
 
     def adopt(self, best_ct):
         """Enter the trained phase with the BestCT every worker agreed on."""
         self.best_ct = best_ct
         self.phase = "trained"
-        log.info("CTTab: BestCT = %s\n%s", format_bytes(best_ct), self.format_table())
+        self.reason = self.explain()
+        log.info("CTTab: BestCT = %s: %s\n%s", format_bytes(best_ct), self.reason,
+                 self.format_table())
+
+    def explain(self):
+        """Why BestCT is what it is, in one sentence, from the table and the rule."""
+        if not self.rows:
+            return "no tensor was measured with both routes, so none is compressed"
+        fp, q = _columns(self.rule)
+        need = 1 + self.margin
+        ratio = {r["size"]: r[fp] / r[q] if r[q] > 0 else math.inf for r in self.rows}
+        how = "%s benefit t_c / t^q" % ("fitted" if self.rule == "fit" else "measured")
+        if self.best_ct == NEVER:
+            top = max(ratio, key=lambda s: ratio[s])
+            return ("no size's %s reaches %.2f (the best, %s, is %.2f): compression does not "
+                    "pay on this link" % (how, need, format_bytes(top), ratio[top]))
+        below = [s for s in ratio if s < self.best_ct]
+        text = "%s is the smallest size from which compressing is cheaper with a %s of at " \
+               "least %.2f (%.2f there)" % (format_bytes(self.best_ct), how, need,
+                                           ratio.get(self.best_ct, math.nan))
+        if below:
+            text += "; the next smaller, %s, has %.2f" % (format_bytes(max(below)),
+                                                          ratio[max(below)])
+        return text
 
     def state_dict(self):
         return {"mode": self.mode, "warmup_steps": self.warmup_steps, "rule": self.rule,
-                "phase": self.phase, "best_ct": self.best_ct, "rows": self.rows,
-                "link": self.link}
+                "margin": self.margin, "phase": self.phase, "best_ct": self.best_ct,
+                "rows": self.rows, "link": self.link, "reason": self.reason}
 
     def load_state_dict(self, state):
         self.phase = state["phase"]
         self.best_ct = state["best_ct"]
         self.rows = list(state["rows"])
         self.link = state.get("link")
+        self.reason = state.get("reason")
 
     def format_table(self):
         """The table as the paper prints it (Fig. 6), one row per tensor size."""
@@ -158,9 +204,9 @@ class CTTab:
                 r["t_p_q"] * 1e3, r["t_q"] * 1e3, r["ratio"], r["fit_t_c"] * 1e3,
                 r["fit_t_q"] * 1e3, mark))
         if self.link is not None:
-            lines.append("rule %s; fitted link: latency %.3f ms, bandwidth %s/s"
-                         % (self.rule, self.link["latency_s"] * 1e3,
-                            format_bytes(self.link["bandwidth_Bps"])))
+            lines.append("rule %s, margin %.2f; fitted link: latency %.3f ms, %s"
+                         % (self.rule, self.margin, self.link["latency_s"] * 1e3,
+                            format_bandwidth(self.link["bandwidth_Bps"])))
         return "\n".join(lines)
 
     def to_csv(self):
@@ -175,7 +221,9 @@ class CTTab:
 
     def to_json(self):
         best = None if self.best_ct == NEVER else self.best_ct
-        return json.dumps({"best_ct": best, "rule": self.rule, "link": self.link_report(),
+        return json.dumps({"format": DECISION_FORMAT, "best_ct": best, "never": best is None,
+                           "rule": self.rule, "margin": self.margin,
+                           "link": self.link_report(), "reason": self.reason,
                            "rows": self.rows}, indent=1)
 
     def link_report(self):
@@ -239,12 +287,56 @@ def _fitted(row, link):
             "fit_t_q": link["latency_s"] + per_byte * wire_q + row["t_p_q"]}
 
 
+def _columns(rule):
+    """The (full precision, compressed) time columns a rule compares."""
+    return ("fit_t_c", "fit_t_q") if rule == "fit" else ("t_c", "t_q")
+
+
+DECISION_FORMAT = "slimgc-cttab-1"
+
+
+def load_decision(path):
+    """A CTTab decision saved by CTTab.save (PREFIX.json): best_ct, rows, link, reason.
+
+    A ValueError names the file and what is wrong with it.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError("comm_threshold=%r: expected 'auto', 'off', a size in bytes or the "
+                         "file of a saved CTTab decision, but cannot read the saved CTTab "
+                         "decision (%s)" % (path, exc.strerror)) from None
+    except ValueError:
+        raise ValueError("comm_threshold=%r: not a JSON file; give a PREFIX.json written by "
+                         "CTTab.save (train.py --json writes one beside its result)"
+                         % (path,)) from None
+    best = data.get("best_ct") if isinstance(data, dict) else None
+    never = isinstance(data, dict) and (data.get("never") or "best_ct" in data and best is None)
+    if not (never or isinstance(best, int) and best >= 0):
+        raise ValueError("comm_threshold=%r: no best_ct in it; give a PREFIX.json written by "
+                         "CTTab.save" % (path,))
+    link = data.get("link")
+    if link and link.get("bandwidth_Bps") is None:
+        link = dict(link, bandwidth_Bps=NEVER)
+    return {"best_ct": NEVER if never else best, "rows": list(data.get("rows") or []),
+            "link": link, "reason": data.get("reason")}
+
+
 def format_bytes(n):
+    """Bytes in binary units: '512 B', '2.0 KiB', '3.0 MiB'; 'never' for NEVER."""
     if n is None:
         return "-"
     if n == NEVER:
         return "never"
-    for unit, size in (("MB", 1 << 20), ("KB", 1 << 10)):
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return "%.1f %s" % (n / size, unit)
     return "%d B" % n
+
+
+def format_bandwidth(bytes_per_s):
+    """'bandwidth 112.3 MiB/s', or what it means when no cost per byte was measured."""
+    if bytes_per_s == NEVER or bytes_per_s is None:
+        return "no cost per byte measured (bytes did not slow transfers)"
+    return "bandwidth %s/s" % format_bytes(bytes_per_s)

@@ -37,6 +37,43 @@ class OptSettings:
         optimizer.rescale_grad, optimizer.param_dict = self.rescale_grad, self.param_dict
 
 
+#: Optimizer attributes that are counters or references, not settings workers must share.
+_NOT_SETTINGS = {"num_update", "begin_num_update", "_index_update_count",
+                 "_all_index_update_counts", "param_dict", "idx2name", "sym_info", "lr_scheduler"}
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def optimizer_settings(opt):
+    """The settings of an MXNet optimizer that every worker must share, as plain values:
+    its class, every plain attribute (lr, momentum, wd, rescale_grad, clip_gradient, ...),
+    its lr scheduler's class and state, and each parameter's lr_mult and wd_mult."""
+    out = {"optimizer": "%s.%s" % (type(opt).__module__, type(opt).__name__)}
+    for name, value in sorted(vars(opt).items()):
+        if name not in _NOT_SETTINGS and isinstance(value, _PLAIN):
+            out[name] = value
+    sched = getattr(opt, "lr_scheduler", None)
+    if sched is not None:
+        out["lr_scheduler"] = type(sched).__name__
+        for name, value in sorted(vars(sched).items()):
+            if isinstance(value, _PLAIN) or isinstance(value, (list, tuple)) and all(
+                    isinstance(v, _PLAIN) for v in value):
+                out["lr_scheduler." + name] = value
+    params = getattr(opt, "param_dict", None) or {}
+    mults = sorted((str(k), p.lr_mult, p.wd_mult) for k, p in params.items())
+    if any(lr != 1.0 or wd != 1.0 for _, lr, wd in mults):
+        out["lr_mult, wd_mult"] = mults
+    return out
+
+
+def check_loc_optimizer(name):
+    """Raise ValueError unless `name` (option loc_optimizer) is None or an MXNet optimizer."""
+    registry = mx.optimizer.Optimizer.opt_registry
+    if name is not None and name.lower() not in registry:
+        raise ValueError("loc_optimizer %r (option loc_optimizer, SLIMGC_LOC_OPTIMIZER) is not an "
+                         "MXNet optimizer; valid: %s, or leave it unset to use the global one"
+                         % (name, ", ".join(sorted(registry))))
+
+
 def clone_optimizer(opt):
     """A shallow copy of an MXNet optimizer with its own update counters and settings.
 

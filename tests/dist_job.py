@@ -78,13 +78,13 @@ def _record_lanes(kv, lanes):
     push_pull = transport.push_pull
     counts = {}
 
-    def recording(wire_key, send, recv):
+    def recording(wire_key, send, recv, priority=0):
         if send.nd.dtype != np.float64:
-            return push_pull(wire_key, send, recv)
+            return push_pull(wire_key, send, recv, priority)
         n = counts[wire_key] = counts.get(wire_key, -1) + 1
         name = "%d_%d" % (wire_key, n)
         lanes["send_" + name] = send.for_read().copy()  # before the pull overwrites it
-        handle = push_pull(wire_key, send, recv)
+        handle = push_pull(wire_key, send, recv, priority)
         wait = handle.wait
 
         def waited():

@@ -11,6 +11,7 @@ import pytest
 
 from slimgc_mx import launch
 from slimgc_mx.bench import cluster
+from slimgc_mx.launch import netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +28,7 @@ def test_config_names_map_to_train_options():
         "fp32"]
     with pytest.raises(ValueError):
         cluster.config_args("slimgc-3bit-full")
-    assert cluster.rate_bits("1gbit") == 1e9 and cluster.rate_bits("125mbps") == 1e9
+    assert netns.rate_bits("1gbit") == 1e9 and netns.rate_bits("125mbps") == 1e9
 
 
 def test_only_slimgc_servers_get_the_zero_filled_heap():
@@ -165,7 +166,7 @@ def test_accuracy_rerun_replaces_the_runs_of_a_config(monkeypatch, tmp_path):
 
 
 def _skip_reason():
-    ok, why = cluster.netns_available()
+    ok, why = netns.netns_available()
     return None if ok else why
 
 
@@ -207,6 +208,6 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
     assert by["slimgc-2bit-full"]["cttab_link"]["latency_s"] >= 0  # the fit BestCT came from
     assert by["fp32"]["samples_per_s_per_worker"] > 0
     # Teardown: no namespace of this harness outlives the run.
-    mine = "%s%d-" % (cluster.NS_PREFIX, proc.pid)
-    left = [ns for ns in cluster.list_namespaces() if ns.startswith(mine)]
+    mine = "%s%d-" % (netns.NS_PREFIX, proc.pid)
+    left = [ns for ns in netns.list_namespaces() if ns.startswith(mine)]
     assert left == []

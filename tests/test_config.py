@@ -35,7 +35,10 @@ def test_trainer_compression_params_style():
     ({"threshold": 0}, "threshold must be a positive finite number"),
     ({"threshold": float("nan")}, "threshold must be a positive finite number"),
     ({"threshold": float("inf")}, "threshold must be a positive finite number"),
-    ({"comm_threshold": "sometimes"}, "expected 'auto', 'off' or a size in bytes"),
+    ({"comm_threshold": "sometimes"}, "expected 'auto', 'off', a size in bytes or the file of "
+                                      "a saved CTTab decision"),
+    ({"cttab_margin": -0.1}, "cttab_margin must be a number >= 0"),
+    ({"cttab_margin": "a lot"}, "for option 'cttab_margin': expected a number"),
     ({"comm_threshold": -1}, "comm_threshold must be 'auto', 'off' or a non-negative size"),
     ({"warmup_steps": 1}, "warmup_steps must be an integer >= 2"),
     ({"cttab_rule": "paper"}, "unknown CTTab rule 'paper' (option cttab_rule); valid: fit, measured"),
@@ -64,3 +67,18 @@ def test_bad_environment_value_names_the_variable():
         SlimGCConfig.from_sources({}, environ={"SLIMGC_BACKUP": "maybe"})
     with pytest.raises(ValueError, match="SLIMGC_WARMUP_STEPS"):
         SlimGCConfig.from_sources({}, environ={"SLIMGC_WARMUP_STEPS": "ten"})
+
+
+def test_a_misspelled_variable_is_warned_about_with_the_closest_name():
+    with pytest.warns(UserWarning, match="SLIMGC_COMPRESOR is not a slimgc option and is "
+                                         "ignored; did you mean SLIMGC_COMPRESSOR"):
+        cfg = SlimGCConfig.from_sources({}, environ={"SLIMGC_COMPRESOR": "1bit"})
+    assert cfg.compressor == "2bit"
+
+
+def test_a_saved_decision_replays_and_workers_compare_what_it_holds(tmp_path):
+    path = tmp_path / "decision.json"
+    path.write_text('{"format": "slimgc-cttab-1", "best_ct": 163840, "rows": []}')
+    cfg = SlimGCConfig.from_sources({}, environ={"SLIMGC_COMM_THRESHOLD": str(path)})
+    assert cfg.comm_threshold == str(path)
+    assert cfg.agreement_fields()["comm_threshold"] == "saved decision 163840"

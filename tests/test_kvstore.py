@@ -216,7 +216,7 @@ def test_every_worker_adopts_rank0s_threshold(monkeypatch):
     """Workers that would choose differently still agree: rank 0's BestCT is broadcast."""
     from slimgc_mx import threshold
 
-    def per_thread_choice(rows, rule="fit"):
+    def per_thread_choice(rows, rule="fit", margin=0.0):
         return 4096 if threading.current_thread().name.endswith("0") else 8
 
     monkeypatch.setattr(threshold.CTTab, "choose", staticmethod(per_thread_choice))
@@ -272,7 +272,7 @@ def test_bad_input_errors():
 class _BrokenLink(LocalTransport):
     """A transport whose every transfer fails."""
 
-    def push_pull(self, wire_key, send, recv):
+    def push_pull(self, wire_key, send, recv, priority=0):
         raise OSError("link down (injected)")
 
 
@@ -291,7 +291,7 @@ def test_background_error_surfaces_in_the_training_thread():
 
 def test_stuck_transfer_times_out_in_the_training_thread():
     class Stuck(LocalTransport):
-        def push_pull(self, wire_key, send, recv):
+        def push_pull(self, wire_key, send, recv, priority=0):
             time.sleep(30)
 
     kv = SlimGC(transport=Stuck(), compressor="none", backup=False, timeout=0.5)

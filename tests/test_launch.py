@@ -403,7 +403,7 @@ def test_occupied_port_is_named_with_the_fix(job):
 
 
 def test_command_that_cannot_start(job):
-    code, _, stderr = job.run(["-n", "1", "-s", "0"], ["no-such-program-slimgc", "x"])
+    code, _, stderr = job.run(["-n", "1", "-s", "1"], ["no-such-program-slimgc", "x"])
     assert code == 127
     assert "cannot start scheduler" in stderr and "no-such-program-slimgc" in stderr
 

@@ -54,11 +54,11 @@ class _RecordingKV:
             self.calls.append(("init", k, v.size))
             self.store[k] = v.asnumpy()
 
-    def push(self, key, value):
+    def push(self, key, value, priority=0):
         self.calls.append(("push", key, value.size))
         self.store[key] = value.asnumpy()
 
-    def pull(self, keys, out):
+    def pull(self, keys, out, priority=0):
         keys, out = (keys, out) if isinstance(keys, list) else ([keys], [out])
         for k, o in zip(keys, out):
             self.calls.append(("pull", k, o.size))

@@ -15,24 +15,22 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
 
 from .. import launch
+from ..launch.netns import (DELAY_PATTERN, NODE_IFACE, RATE_PATTERN, NetnsCluster,
+                            NetnsRunner, cleanup_stale, netem_available, netns_available,
+                            rate_bits)
 from ..env import LAUNCH_INDEX_VAR, SERVER_ENV, env_count
 
 DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, time "
                "composition, CTTab, accuracy vs MXNet's own baselines")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
-NS_PREFIX = "slimgc-"           # every namespace this harness creates starts with this
-NODE_IFACE = "eth0"             # a node's interface inside its namespace
 CODECS = ("1bit", "2bit", "4bit")
 ABLATIONS = ("classic", "cgopt", "offload", "full")
-_RATE = re.compile(r"^\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)$", re.I)
-_DELAY = re.compile(r"^\d+(\.\d+)?(us|ms|s)$", re.I)
 
 
 # ---------------------------------------------------------------- configurations
@@ -78,168 +76,6 @@ def parse_configs(text: str, codecs) -> List[str]:
             config_args(item)
             out.append(item)
     return out
-
-
-# ---------------------------------------------------------------- network namespaces
-
-def _run(argv: List[str], check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise RuntimeError("%s failed (%d): %s" % (" ".join(argv), proc.returncode,
-                                                   proc.stderr.strip() or proc.stdout.strip()))
-    return proc
-
-
-def netns_available() -> (bool, str):
-    """Whether this process can build the emulated cluster; otherwise the reason why not."""
-    if os.name != "posix" or not sys.platform.startswith("linux"):
-        return False, "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return False, "creating network namespaces needs root (run as root, or use --no-netns)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return False, "%r not found (install iproute2)" % tool
-    probe = "%sprobe-%d" % (NS_PREFIX, os.getpid())
-    try:
-        _run(["ip", "netns", "add", probe])
-    except RuntimeError as e:
-        return False, "cannot create a network namespace: %s" % e
-    try:
-        _run(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root"] + tbf_args(10 ** 9))
-    except RuntimeError as e:
-        return False, "veth or tc tbf unavailable: %s" % e
-    finally:
-        _run(["ip", "netns", "del", probe], check=False)
-    return True, "ok"
-
-
-def rate_bits(text: str) -> float:
-    """A tc rate ('1gbit', '10gbit', '100mbit', '125mbps') in bits per second."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", text.strip().lower())
-    if not m:
-        raise ValueError("not a tc rate: %r" % text)
-    value = float(m.group(1)) * 1000 ** " kmgt".index(m.group(2) or " ")
-    return value * (8 if m.group(3) == "bps" else 1)
-
-
-def tbf_args(bits_per_s: float) -> List[str]:
-    """Token bucket for a rate: burst of 1 ms of traffic but at least 4 GSO segments (64 KiB)."""
-    burst = max(4 * 65536, int(bits_per_s / 8 / 1000))
-    return ["tbf", "rate", "%dbit" % int(bits_per_s), "burst", str(burst), "latency", "100ms"]
-
-
-def netem_available() -> bool:
-    """Whether the kernel has sch_netem (needed for --delay only)."""
-    probe = "%snetem-%d" % (NS_PREFIX, os.getpid())
-    try:
-        _run(["ip", "netns", "add", probe])
-        _run(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "netem", "delay", "1ms"])
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        _run(["ip", "netns", "del", probe], check=False)
-
-
-def list_namespaces() -> List[str]:
-    out = _run(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def cleanup_stale(force=False) -> List[str]:
-    """Delete this harness's namespaces whose creating process is gone (all with force)."""
-    removed = []
-    for ns in list_namespaces():
-        m = re.match(re.escape(NS_PREFIX) + r"(?:probe-|netem-)?(\d+)", ns)
-        if not m:
-            continue
-        pid = int(m.group(1))
-        if not force and pid != os.getpid() and os.path.exists("/proc/%d" % pid):
-            continue
-        _run(["ip", "netns", "del", ns], check=False)
-        removed.append(ns)
-    return removed
-
-
-class NetnsCluster:
-    """Namespaces for the scheduler, servers and workers on one bridge, tc on every link.
-
-    Each node has eth0 with its own address; the other end of its veth sits in a
-    bridge namespace. A tbf qdisc on both ends limits upload and download to
-    --bandwidth; --delay (netem) is added once per direction, on the node's egress.
-    Nothing is created in the caller's namespace. As a context manager teardown always runs.
-    """
-
-    def __init__(self, num_servers: int, num_workers: int, bandwidth: Optional[str],
-                 delay: Optional[str], subnet: str = "10.77.0", tag: str = ""):
-        self.prefix = "%s%d%s" % (NS_PREFIX, os.getpid(), ("-" + tag) if tag else "")
-        self.bridge_ns = self.prefix + "-br"
-        self.bandwidth, self.delay = bandwidth, delay
-        self.nodes = {"scheduler": (self.prefix + "-sched", "%s.1" % subnet)}
-        for i in range(num_servers):
-            self.nodes["server %d" % i] = (self.prefix + "-s%d" % i, "%s.%d" % (subnet, 10 + i))
-        for i in range(num_workers):
-            self.nodes["worker %d" % i] = (self.prefix + "-w%d" % i, "%s.%d" % (subnet, 100 + i))
-        self.created: List[str] = []
-
-    def ns(self, label):
-        return self.nodes[label][0]
-
-    def ip(self, label):
-        return self.nodes[label][1]
-
-    def _shape(self, ns, dev, with_delay):
-        """tbf for the rate; netem (rate and delay) when a delay is asked for."""
-        qdisc = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root"]
-        if self.delay and with_delay:
-            rate = ["rate", self.bandwidth] if self.bandwidth else []
-            _run(qdisc + ["netem", "delay", self.delay] + rate + ["limit", "100000"])
-        elif self.bandwidth:
-            _run(qdisc + tbf_args(rate_bits(self.bandwidth)))
-
-    def up(self):
-        _run(["ip", "netns", "add", self.bridge_ns])
-        self.created.append(self.bridge_ns)
-        _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
-        _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
-        for k, (label, (ns, addr)) in enumerate(self.nodes.items()):
-            _run(["ip", "netns", "add", ns])
-            self.created.append(ns)
-            port = "v%d" % k
-            _run(["ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer",
-                  "name", NODE_IFACE, "netns", ns])
-            _run(["ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0", "up"])
-            _run(["ip", "-n", ns, "addr", "add", addr + "/24", "dev", NODE_IFACE])
-            _run(["ip", "-n", ns, "link", "set", NODE_IFACE, "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            self._shape(ns, NODE_IFACE, True)               # upload of this node
-            self._shape(self.bridge_ns, port, False)        # download of this node
-        return self
-
-    def down(self):
-        for ns in reversed(self.created):
-            _run(["ip", "netns", "del", ns], check=False)
-        self.created = []
-
-    def __enter__(self):
-        try:
-            return self.up()
-        except BaseException:
-            self.down()
-            raise
-
-    def __exit__(self, *exc):
-        self.down()
-
-
-class NetnsRunner(launch.Runner):
-    """Start a node's command inside its network namespace (`ip netns exec NS ...`)."""
-
-    def start(self, node, command, env, cwd):
-        inner = ["/bin/sh", "-c", command[0]] if len(command) == 1 else list(command)
-        return self.spawn(["ip", "netns", "exec", node] + inner, {**os.environ, **env}, cwd)
 
 
 # ---------------------------------------------------------------- the job on each node
@@ -364,36 +200,32 @@ ENGINE_THREADS = launch.ENGINE_THREADS_VAR
 
 def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
                 command: List[str], comm: bool, stock_servers: bool = False) -> List[launch.Task]:
-    """The launcher's plan, moved into the namespaces (or left on loopback without cluster).
+    """The launcher's plan: `--launcher netns` in the harness's namespaces, or local.
 
     stock_servers: drop the launcher's zero-filled-heap variables from the servers, so that
     MXNet-only baselines (float32 pushes, which that fix does not concern) run as they would
     without slimgc_mx and do not pay its cost.
     """
     if comm:
-        args = launch.parse_args(["-n", str(workers), "-s", str(servers), "--launcher", "local",
-                                  "--"] + command)
-        plan = launch.build_plan(args)
+        mode = ["--launcher", "netns", "--bandwidth", cluster.bandwidth or "none"] \
+            if cluster is not None else ["--launcher", "local"]
+        args = launch.parse_args(["-n", str(workers), "-s", str(servers)] + mode + ["--"]
+                                 + command)
+        plan = launch.build_plan(args, cluster)
         if stock_servers:
             for t in plan:
                 if t.role == "server":
                     for name in SERVER_ENV:
                         t.env.pop(name, None)
-    else:  # no-comm: just the workers, no scheduler or servers, no DMLC roles
-        plan = [launch.Task("worker", i, None, launch.LocalRunner(),
-                            {"PYTHONUNBUFFERED": "1", LAUNCH_INDEX_VAR: str(i)})
-                for i in range(workers)]
-        if ENGINE_THREADS not in os.environ:  # the launcher's engine threads, as the others get
-            for t in plan:
-                t.env[ENGINE_THREADS] = str(launch.WORKER_ENGINE_THREADS)
-    if cluster is None:
         return plan
-    runner = NetnsRunner()
-    for t in plan:
-        t.node, t.runner = cluster.ns(t.label), runner
-        if comm:
-            t.env.update(DMLC_NODE_HOST=cluster.ip(t.label), DMLC_INTERFACE=NODE_IFACE,
-                         DMLC_PS_ROOT_URI=cluster.ip("scheduler"))
+    # no-comm: just the workers, no scheduler or servers, no DMLC roles
+    runner = NetnsRunner() if cluster is not None else launch.LocalRunner()
+    plan = [launch.Task("worker", i, cluster.ns("worker %d" % i) if cluster else None, runner,
+                        {"PYTHONUNBUFFERED": "1", LAUNCH_INDEX_VAR: str(i)})
+            for i in range(workers)]
+    if ENGINE_THREADS not in os.environ:  # the launcher's engine threads, as the others get
+        for t in plan:
+            t.env[ENGINE_THREADS] = str(launch.WORKER_ENGINE_THREADS)
     return plan
 
 
@@ -659,9 +491,9 @@ def parse_args(argv, prog):
         opts.servers = opts.workers
     if opts.bandwidth.lower() in ("none", "0", ""):
         opts.bandwidth = None
-    elif not _RATE.match(opts.bandwidth):
+    elif not RATE_PATTERN.match(opts.bandwidth):
         p.error("--bandwidth %r: expected a tc rate such as 1gbit, 10gbit, 100mbit" % opts.bandwidth)
-    if opts.delay and not _DELAY.match(opts.delay):
+    if opts.delay and not DELAY_PATTERN.match(opts.delay):
         p.error("--delay %r: expected a time such as 0.1ms, 100us" % opts.delay)
     if opts.steps < 1 or opts.warmup < 0 or opts.workers < 1 or opts.repeats < 1:
         p.error("need --steps >= 1, --warmup >= 0, --workers >= 1, --repeats >= 1")
@@ -754,9 +586,10 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
               "slimgc_environment": {k: v for k, v in sorted(os.environ.items())
                                      if k.startswith("SLIMGC_")},
               "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print("cluster bench: %s on %s, %d workers + %d servers, OMP_NUM_THREADS=%d, "
+    print("cluster bench: %s on %s, %s + %s, OMP_NUM_THREADS=%d, "
           "MXNET_CPU_WORKER_NTHREADS=%d (workers), %s -> %s"
-          % (opts.model, opts.dataset, opts.workers, opts.servers, opts.threads,
+          % (opts.model, opts.dataset, launch.plural(opts.workers, "worker"),
+             launch.plural(opts.servers, "server"), opts.threads,
              header["worker_engine_threads"],
              ("netns, %s%s" % (opts.bandwidth or "unlimited",
                                ", delay %s" % opts.delay if opts.delay else ""))

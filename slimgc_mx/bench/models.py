@@ -5,7 +5,6 @@ The set spans the tensor-size mixes the SlimGC strategies care about: `cnn1d` ha
 many tiny tensors, `resnet20` many small BN/conv tensors, `vgg` a few huge FC ones
 behind conv layers, `fc` the same huge FC layers with almost no compute.
 """
-from mxnet import gluon
 from mxnet.gluon import nn
 
 __all__ = ["MODELS", "get_model", "count_params"]

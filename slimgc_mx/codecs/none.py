@@ -1,7 +1,7 @@
 """none: full-precision passthrough; the lanes are the float32 gradient itself."""
 import numpy as np
 
-from .base import check_disjoint, check_num_workers, check_vector, kernels, raise_nonfinite
+from .base import check_num_workers, kernels, raise_nonfinite
 from .lanes import LaneCodec
 from .registry import register
 

@@ -8,10 +8,10 @@ Usage: python -m slimgc_mx.launch -n 2 -s 2 python train.py   (see docs/launcher
 from ..env import ENGINE_THREADS_VAR, WORKER_ENGINE_THREADS
 from .cli import build_parser, main, parse_args
 from .job import LaunchedJob, describe_status, exit_code
-from .plan import LaunchError, StartError, Task, build_plan, omp_threads, read_hostfile
+from .plan import LaunchError, StartError, Task, build_plan, omp_threads, plural, read_hostfile
 from .runners import LocalRunner, Runner, SshRunner
 
 __all__ = ["ENGINE_THREADS_VAR", "WORKER_ENGINE_THREADS", "LaunchError", "LaunchedJob",
            "LocalRunner", "Runner", "SshRunner", "StartError", "Task", "build_parser",
            "build_plan", "describe_status", "exit_code", "main", "omp_threads", "parse_args",
-           "read_hostfile"]
+           "plural", "read_hostfile"]

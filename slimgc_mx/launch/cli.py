@@ -1,13 +1,15 @@
 """The command line of the launcher: launch.py-compatible options plus a few of our own."""
 import argparse
+import contextlib
 import logging
 import os
 import sys
 from typing import List, Optional
 
 from ..env import SERVER_ENV_TEXT, SSH_VAR
+from . import netns
 from .job import LaunchedJob
-from .plan import LaunchError, StartError, build_plan
+from .plan import LaunchError, StartError, build_plan, plural
 
 log = logging.getLogger("slimgc_mx.launch")
 
@@ -37,9 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of worker processes (required)")
     p.add_argument("-s", "--num-servers", type=int, default=None,
                    help="number of server processes (default: same as -n)")
-    p.add_argument("--launcher", choices=["local", "ssh", "mpi", "sge", "yarn"], default=None,
+    p.add_argument("--launcher", choices=["local", "ssh", "netns", "mpi", "sge", "yarn"],
+                   default=None,
                    help="where processes run (default: ssh when -H is given, else local); "
-                        "mpi, sge, yarn are not supported")
+                        "netns: each process in its own network namespace on this machine, "
+                        "linked by rate-limited veths (needs root); mpi, sge, yarn are not "
+                        "supported")
+    p.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help="netns: the rate of every process's link, each direction, as tc takes "
+                        "it, e.g. 1gbit, 10gbit, 100mbit (default: 1gbit; 'none' for no limit)")
+    p.add_argument("--delay", default=None, metavar="TIME",
+                   help="netns: extra one-way delay on every process's link, e.g. 0.1ms (needs "
+                        "the kernel's netem; default: none)")
     p.add_argument("-H", "--hostfile", default=None,
                    help="file with one HOST or HOST:SSH_PORT per line; needed for ssh "
                         "(default: none)")
@@ -93,6 +104,10 @@ def parse_args(argv: Optional[List[str]] = None, parser=None) -> argparse.Namesp
         args.launcher = "ssh" if args.hostfile else "local"
     if args.remote_dir is None:
         args.remote_dir = os.getcwd()
+    if args.launcher == "netns" and args.bandwidth is None:
+        args.bandwidth = "1gbit"
+    if args.bandwidth is not None and args.bandwidth.lower() == "none":
+        args.bandwidth = ""
     return args
 
 
@@ -103,13 +118,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="[launcher] %(levelname)s %(message)s")
     try:
-        plan = build_plan(args)
-        cwd = args.remote_dir if args.launcher == "ssh" else os.getcwd()
-        job = LaunchedJob(plan, args.command, cwd, args.linger, args.kill_grace)
-        log.info("%s launcher: 1 scheduler, %d servers, %d workers; scheduler at %s:%s",
-                 args.launcher, args.num_servers, args.num_workers,
-                 plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"])
-        return job.run()
+        with contextlib.ExitStack() as stack:
+            cluster = None
+            if args.launcher == "netns":
+                cluster = stack.enter_context(netns.cluster_for(args))
+            plan = build_plan(args, cluster)
+            cwd = args.remote_dir if args.launcher == "ssh" else os.getcwd()
+            job = LaunchedJob(plan, args.command, cwd, args.linger, args.kill_grace)
+            log.info("%s launcher: 1 scheduler, %s, %s%s; scheduler at %s:%s", args.launcher,
+                     plural(args.num_servers, "server"), plural(args.num_workers, "worker"),
+                     netns.describe_links(args) if cluster else "",
+                     plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"])
+            return job.run()
     except StartError as e:
         log.error("%s", e)
         return 127

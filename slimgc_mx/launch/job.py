@@ -1,6 +1,7 @@
 """Running a planned job: start every task, forward its output, watch it, always clean up."""
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -8,11 +9,30 @@ import threading
 import time
 from typing import List, Optional
 
+from ..env import RANK_MARKER_PATTERN
 from .plan import StartError, Task
 
 log = logging.getLogger("slimgc_mx.launch")
 
 POLL_INTERVAL = 0.05
+RANK_MARKER = re.compile(RANK_MARKER_PATTERN)
+
+
+_SEGMENT = re.compile(rb"([^\r\n]*)([\r\n])")
+
+
+def _segments(data: bytes):
+    """([(segment, terminator)] for the complete segments of `data`, ended by a newline or
+    a carriage return; the bytes consumed)."""
+    found = [(m.group(1), m.group(2)) for m in _SEGMENT.finditer(data)]
+    return found, sum(len(s) + 1 for s, _ in found)
+
+
+def _is_terminal(sink) -> bool:
+    try:
+        return sink.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def describe_status(code: int) -> str:
@@ -83,18 +103,46 @@ class LaunchedJob:
         self.linger, self.kill_grace = linger, kill_grace
         self.out_lock = threading.Lock()
 
-    def _forward(self, stream, sink, prefix: bytes):
-        """Copy one child stream to our own, line by line, each line prefixed with its task."""
-        for line in iter(stream.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with self.out_lock:
-                try:
-                    sink.write(prefix + line)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass
+    def _forward(self, task: Task, stream, sink, terminal: bool):
+        """Copy one child stream to our own, line by line, each line prefixed with its task.
+
+        A segment ended by a carriage return (a progress bar's refresh) is passed on as
+        such to a terminal and dropped elsewhere. A worker's line RANK_MARKER relabels its
+        task with its kvstore rank, which can differ from its launch index.
+        """
+        pending = b""
+        while True:
+            chunk = stream.read1(65536)
+            if not chunk:
+                break
+            pending += chunk
+            found, consumed = _segments(pending)
+            pending = pending[consumed:]
+            for segment, end in found:
+                self._relabel(task, segment)
+                if end == b"\r" and not terminal:
+                    continue
+                self._write(sink, task.prefix.encode() + segment + end)
+        if pending:
+            self._write(sink, task.prefix.encode() + pending + b"\n")
         stream.close()
+
+    def _write(self, sink, data: bytes):
+        with self.out_lock:
+            try:
+                sink.write(data)
+                sink.flush()
+            except (OSError, ValueError):
+                pass
+
+    @staticmethod
+    def _relabel(task: Task, segment: bytes):
+        m = RANK_MARKER.match(segment) if task.role == "worker" else None
+        if m is not None and task.rank is None:
+            task.rank = int(m.group(1))
+            task.prefix = "[rank %d] " % task.rank
+            log.info("worker %d is kvstore rank %d; its lines are labelled [rank %d]",
+                     task.index, task.rank, task.rank)
 
     def _start_all(self):
         for t in self.plan:
@@ -107,10 +155,10 @@ class LaunchedJob:
             where = f" on {t.node}" if t.node else ""
             log.debug("started %s%s (pid %d)", t.label, where, t.proc.pid)
         for t in self.plan:
-            prefix = f"[{t.label}] ".encode()
             for stream, sink in ((t.proc.stdout, sys.stdout), (t.proc.stderr, sys.stderr)):
                 th = threading.Thread(target=self._forward, daemon=True,
-                                      args=(stream, getattr(sink, "buffer", sink), prefix))
+                                      args=(t, stream, getattr(sink, "buffer", sink),
+                                            _is_terminal(sink)))
                 th.start()
                 t.threads.append(th)
 

@@ -5,12 +5,14 @@ import os
 import shlex
 import socket
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..env import (ENGINE_THREADS_VAR, LAUNCH_INDEX_VAR, SERVER_ENV, WORKER_ENGINE_THREADS,
-                   available_cpus)
+from ..env import (ENGINE_THREADS_VAR, LAUNCH_INDEX_VAR, SERVER_ENV, TERMINAL_VAR,
+                   WORKER_ENGINE_THREADS, available_cpus)
+from .netns import NODE_IFACE, NetnsRunner
 from .runners import LocalRunner, Runner, SshRunner
 
 log = logging.getLogger("slimgc_mx.launch")
@@ -109,10 +111,20 @@ class Task:
     proc: Optional[subprocess.Popen] = None
     status: Optional[int] = None
     threads: List[threading.Thread] = field(default_factory=list)
+    rank: Optional[int] = None  # a worker's kvstore rank, once it has said it
+    prefix: str = ""  # what its forwarded lines start with
+
+    def __post_init__(self):
+        self.prefix = "[%s] " % self.label
 
     @property
     def label(self) -> str:
         return self.role if self.role == "scheduler" else f"{self.role} {self.index}"
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 worker', '2 workers'."""
+    return "%d %s%s" % (count, noun, "" if count == 1 else "s")
 
 
 def omp_threads(num_workers: int, cpus: Optional[int] = None) -> int:
@@ -124,19 +136,30 @@ def omp_threads(num_workers: int, cpus: Optional[int] = None) -> int:
     return max(1, (cpus or available_cpus()) // max(1, num_workers))
 
 
-def build_plan(args) -> List[Task]:
-    """Decide every process's node and environment from the parsed options; starts nothing."""
+def build_plan(args, cluster=None) -> List[Task]:
+    """Decide every process's node and environment from the parsed options; starts nothing.
+
+    cluster: the netns.NetnsCluster the tasks run in (--launcher netns).
+    """
     if args.launcher in ("mpi", "sge", "yarn"):
-        raise LaunchError(f"--launcher {args.launcher} is not supported here; use local or ssh")
+        raise LaunchError(f"--launcher {args.launcher} is not supported here; use local, ssh "
+                          f"or netns")
     if args.sync_dst_dir:
         raise LaunchError("--sync-dst-dir is not supported; copy the code to every host yourself "
                           "and point --remote-dir at it")
     if not args.command:
         raise LaunchError("missing COMMAND to run (e.g. python train.py)")
-    if args.num_workers < 1 or args.num_servers < 0:
-        raise LaunchError("need -n >= 1 workers and -s >= 0 servers")
+    if args.num_workers < 1:
+        raise LaunchError("need -n >= 1 workers")
+    if args.num_servers < 1:
+        raise LaunchError("need -s >= 1 servers: MXNet's dist kvstore sums on its servers "
+                          "(leave -s out for as many servers as workers)")
+    if args.launcher != "netns" and (args.bandwidth or args.delay):
+        raise LaunchError("--bandwidth and --delay shape the links of --launcher netns only")
 
     common = {"PYTHONUNBUFFERED": "1"}
+    if sys.stderr.isatty():
+        common[TERMINAL_VAR] = "1"  # forwarded output reaches a terminal: progress bars show
     if args.p3:
         common.update(DMLC_PS_VAN_TYPE="p3", DMLC_PS_WATER_MARK="10")
     user_env = parse_env_items(args.env, "--env")
@@ -146,27 +169,40 @@ def build_plan(args) -> List[Task]:
 
     engine = ENGINE_THREADS_VAR
     if engine not in user_env and engine not in per_role["worker"] and (
-            args.launcher != "local" or engine not in os.environ):
+            args.launcher == "ssh" or engine not in os.environ):
         per_role["worker"][engine] = str(WORKER_ENGINE_THREADS)
         log.info("%s=%d for every worker: transfers need not wait behind compute in MXNet's "
                  "engine (--env-worker %s:N sets another value)", engine, WORKER_ENGINE_THREADS,
                  engine)
 
     local = LocalRunner()
-    if args.launcher == "local":
+    host_of = {}  # node -> the address ps-lite announces (DMLC_NODE_HOST), where it differs
+    if args.launcher in ("local", "netns"):
         if args.hostfile:
-            log.warning("--launcher local ignores the hostfile %s", args.hostfile)
-        root_uri = args.root_uri or "127.0.0.1"
-        sched_node, sched_runner = None, local
-        node_of = lambda i: None  # noqa: E731
-        runner = local
-        common["DMLC_NODE_HOST"] = root_uri  # every node on loopback unless --env says otherwise
+            log.warning("--launcher %s ignores the hostfile %s", args.launcher, args.hostfile)
+        if args.launcher == "local":
+            root_uri = args.root_uri or "127.0.0.1"
+            sched_node, sched_runner = None, local
+            node_of = lambda i: None  # noqa: E731
+            runner = local
+            common["DMLC_NODE_HOST"] = root_uri  # every node on loopback unless --env says so
+        else:
+            if cluster is None:
+                raise LaunchError("--launcher netns needs its namespaces (netns.NetnsCluster)")
+            runner = sched_runner = NetnsRunner()
+            sched_node = cluster.ns("scheduler")
+            root_uri = cluster.ip("scheduler")
+            labels = ["server %d" % i for i in range(args.num_servers)]
+            labels += ["worker %d" % i for i in range(args.num_workers)]
+            node_of = lambda i: cluster.ns(labels[i])  # noqa: E731
+            host_of = {cluster.ns(label): cluster.ip(label) for label in cluster.nodes}
+            common["DMLC_INTERFACE"] = NODE_IFACE
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in user_env:
             cpus = available_cpus()
             common["OMP_NUM_THREADS"] = str(omp_threads(args.num_workers, cpus))
-            log.info("OMP_NUM_THREADS=%s for every process: %d workers share %d CPUs "
+            log.info("OMP_NUM_THREADS=%s for every process: %s share %s "
                      "(--env OMP_NUM_THREADS:N sets another value)", common["OMP_NUM_THREADS"],
-                     args.num_workers, cpus)
+                     plural(args.num_workers, "worker"), plural(cpus, "CPU"))
     else:
         if not args.hostfile:
             raise LaunchError("--launcher ssh needs -H HOSTFILE")
@@ -198,7 +234,8 @@ def build_plan(args) -> List[Task]:
     def task(role, index, node, task_runner):
         base = dict(common)
         if node is not None:
-            base["DMLC_NODE_HOST"] = node  # the address ps-lite announces; --env may override
+            # the address ps-lite announces (--env may override it)
+            base["DMLC_NODE_HOST"] = host_of.get(node, node)
         env = {**base, **user_env, **per_role[role], **dmlc,
                "DMLC_ROLE": role, LAUNCH_INDEX_VAR: str(index)}
         return Task(role, index, node, task_runner, env)

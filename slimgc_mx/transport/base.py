@@ -92,8 +92,10 @@ class Transport:
         """Create `wire_key` with the shape and dtype of `buf` (collective)."""
         raise NotImplementedError
 
-    def push_pull(self, wire_key, send, recv):
-        """Start summing `send` over workers into `recv`; returns a TransferHandle."""
+    def push_pull(self, wire_key, send, recv, priority=0):
+        """Start summing `send` over workers into `recv`; returns a TransferHandle.
+
+        priority: MXNet's priority of the push and pull operators (higher goes first)."""
         raise NotImplementedError
 
     def broadcast(self, wire_key, buf):

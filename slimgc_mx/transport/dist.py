@@ -1,6 +1,7 @@
 """MXNet's own dist_sync kvstore underneath: stock servers sum what the workers push."""
 import logging
 import os
+import sys
 import threading
 
 import mxnet as mx
@@ -67,7 +68,12 @@ class DistTransport(Transport):
         self.num_servers = env.num_servers(environ)
         self.timeout = timeout
         self.piece_bytes = piece_bytes
-        warning = engine_threads_warning(os.environ if environ is None else environ)
+        environ = os.environ if environ is None else environ
+        index = env.launch_index(environ)
+        if index is not None:  # the launcher labels this worker's lines with its rank
+            sys.stderr.write(env.RANK_MARKER % (index, self.rank, self.num_workers) + "\n")
+            sys.stderr.flush()
+        warning = engine_threads_warning(environ)
         if warning and self.rank == 0:
             log.warning("slimgc: %s", warning)
         self._gather_keys = {}
@@ -87,11 +93,11 @@ class DistTransport(Transport):
         self._kv.init(keys, buf.pieces(bounds))
         self._pieces[wire_key] = (keys, bounds)
 
-    def push_pull(self, wire_key, send, recv):
+    def push_pull(self, wire_key, send, recv, priority=0):
         split = self._pieces.get(wire_key)
         if split is None:
-            self._kv.push(wire_key, send.nd)
-            self._kv.pull(wire_key, out=recv.nd)
+            self._kv.push(wire_key, send.nd, priority=priority)
+            self._kv.pull(wire_key, out=recv.nd, priority=priority)
             return TransferHandle(recv)
         keys, bounds = split
         # MXNet pulls each sum into the pushed array itself before copying it to `recv`,
@@ -100,8 +106,8 @@ class DistTransport(Transport):
         recv.for_write()
         sends, recvs = send.pieces(bounds), recv.pieces(bounds)
         for key, s, r in zip(keys, sends, recvs):
-            self._kv.push(key, s)
-            self._kv.pull(key, out=r)
+            self._kv.push(key, s, priority=priority)
+            self._kv.pull(key, out=r, priority=priority)
         return PiecesHandle(recv, recvs)
 
     def broadcast(self, wire_key, buf):

@@ -135,11 +135,11 @@ class EngineNotifier:
             self._callbacks[token] = callback
         return ctypes.c_void_p(token)
 
-    def when_readable(self, nd, callback):
+    def when_readable(self, nd, callback, priority=0):
         """Call callback() on an engine thread once every pending write of `nd` is done."""
-        self.run(callback, [nd], [])
+        self.run(callback, [nd], [], priority)
 
-    def run(self, fn, reads, writes):
+    def run(self, fn, reads, writes, priority=0):
         """Call fn() on an engine thread after the pending writes of `reads` and all pending
         access to `writes`; operators pushed later wait for it as for any writer of `writes`.
 
@@ -149,7 +149,7 @@ class EngineNotifier:
             self._func, self._register(fn), None, ctypes.byref(self._cpu),
             (NDArrayHandle * len(reads))(*[nd.handle for nd in reads]), len(reads),
             (NDArrayHandle * len(writes))(*[nd.handle for nd in writes]), len(writes),
-            None, 0, None))
+            None, ctypes.c_int(priority), None))
 
     def hold(self, nd):
         """A WriteHold on `nd`; needs the asynchronous engine (see env.async_engine)."""

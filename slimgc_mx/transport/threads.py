@@ -77,7 +77,7 @@ class ThreadTransport(Transport):
     def declare(self, wire_key, buf):
         pass
 
-    def push_pull(self, wire_key, send, recv):
+    def push_pull(self, wire_key, send, recv, priority=0):
         take = self._group.add(wire_key, self._next_round(wire_key), send.for_read())
         link = self._group.link
         return ThreadHandle(recv, take, None if link is None else link(send.nbytes))
