@@ -12,7 +12,9 @@ import weakref
 
 SHUTDOWN_TIMEOUT = 30.0  # seconds MXNet's dist kvstore finalize may take at exit
 
-_LIVE = weakref.WeakSet()  # stores not closed yet
+# Stores not closed yet, held until they are: one collected unclosed would free MXNet's
+# dist kvstore in the middle of the program without its shutdown, which aborts the process.
+_LIVE = set()
 _ALL = weakref.WeakSet()
 _uncaught = []
 _installed = []

@@ -563,3 +563,119 @@ def test_naive_engine_trains_the_same_weights():
     assert len(out["NaiveEngine"]) == 2
     assert out["NaiveEngine"] == out["ThreadedEnginePerDevice"]
     assert out["NaiveEngine"][0] == out["NaiveEngine"][1]  # backup on and off: one weight series
+
+
+# ---------------------------------------------------------------- MXNet's semantics, clear errors
+def test_workers_with_different_optimizer_settings_are_stopped_at_start():
+    from slimgc_mx.agreement import ConfigMismatchError
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", backup=False)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1 * (rank + 1), momentum=0.9))
+        w = mx.nd.zeros(10)
+        with pytest.raises(ConfigMismatchError) as info:
+            kv.broadcast(0, w, out=w)
+        kv.close()
+        return str(info.value)
+
+    for rank, msg in enumerate(th.in_threads(2, worker)):
+        assert "workers disagree on the optimizer settings: lr=%s on ranks [%d] differs from " \
+               "ranks [%d]" % (0.1 * (rank + 1), rank, 1 - rank) in msg
+
+
+def test_plain_sums_are_exact_unless_a_compressor_was_chosen():
+    """No optimizer: pushes of 37.0 come back as 74.0 at every step of the warm-up when the
+    compressor is only the default; with a chosen 2bit they are quantized."""
+    def worker(rank, transport, **options):
+        kv = SlimGC(transport=transport, warmup_steps=4, **options)
+        kv.init(0, mx.nd.zeros(3))
+        sums = []
+        for _ in range(6):
+            out = mx.nd.zeros(3)
+            kv.pushpull(0, mx.nd.full(3, 37.0), out=out)
+            sums.append(float(out.asnumpy()[0]))
+        kv.close()
+        return sums
+
+    default = th.in_threads(2, worker)
+    assert default[0] == [74.0] * 6 and default[1] == default[0]
+    chosen = th.in_threads(2, lambda r, t: worker(r, t, compressor="2bit"))
+    assert chosen[0][0] == 1.0  # two workers' +0.5 levels: it was compressed
+
+
+def test_a_key_leaving_the_compressed_route_sends_its_residual():
+    """Warm-up: step 0 compressed (0.3 < t keeps all of it in the residual), step 1 in
+    full precision carries the residual along: nothing is lost."""
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", threshold=0.5, warmup_steps=4)
+        kv.init(0, mx.nd.zeros(4))
+        sums = []
+        for _ in range(2):
+            out = mx.nd.zeros(4)
+            kv.pushpull(0, mx.nd.full(4, 0.3), out=out)
+            sums.append(out.asnumpy()[0])
+        kv.close()
+        return sums
+
+    for sums in th.in_threads(2, worker):
+        assert sums[0] == 0.0
+        np.testing.assert_allclose(sums[1], 2 * 0.6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("comm_threshold", ["off", 1 << 40])  # compressed route, fp route
+def test_a_nan_is_traced_to_the_worker_that_sent_it(comm_threshold):
+    from slimgc_mx.pipeline import NonFiniteAggregateError
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold=comm_threshold,
+                    backup=False, timeout=30)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+        w = mx.nd.ones(50)
+        kv.broadcast(0, w, out=w)
+        grad = np.ones(50, np.float32)
+        if rank == 1:
+            grad[3] = np.inf
+        kv.pushpull(0, mx.nd.array(grad), out=w)
+        with pytest.raises(PipelineError) as info:
+            kv.pushpull(0, mx.nd.ones(50), out=w)
+        kv.close()
+        return info.value
+
+    for err in th.in_threads(2, worker):
+        assert isinstance(err.__cause__, NonFiniteAggregateError)
+        assert "sent by worker rank 1" in str(err)
+
+
+def test_bad_loc_optimizer_and_sparse_gradients_name_the_problem():
+    kv = SlimGC(compressor="2bit", loc_optimizer="bogus")
+    w = mx.nd.zeros(4)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match="loc_optimizer 'bogus' .*SLIMGC_LOC_OPTIMIZER.* not an "
+                                         "MXNet optimizer; valid: .*sgd"):
+        kv.broadcast(0, w, out=w)
+    kv.close()
+    net = gluon.nn.Embedding(10, 4, sparse_grad=True)
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                            kvstore="slimgc")
+    with mx.autograd.record():
+        loss = net(mx.nd.array([1, 2])).sum()
+    loss.backward()
+    with pytest.raises(TypeError, match="slimgc aggregates dense gradients only, but parameter "
+                                        ".*weight has sparse weights or gradients; use "
+                                        "kvstore='dist_sync'"):
+        trainer.step(1)
+
+
+def test_row_sparse_pull_reads_rows_and_refuses_dense_outputs():
+    kv = SlimGC(compressor="none")
+    kv.init(0, mx.nd.array(np.arange(12).reshape(4, 3)))
+    rows = mx.nd.sparse.zeros("row_sparse", (4, 3))
+    kv.row_sparse_pull(0, out=rows, row_ids=mx.nd.array([0, 2]))
+    expected = np.arange(12).reshape(4, 3) * np.array([[1], [0], [1], [0]])
+    np.testing.assert_array_equal(rows.asnumpy(), expected)
+    with pytest.raises(TypeError, match="use pull"):
+        kv.row_sparse_pull(0, out=mx.nd.zeros((4, 3)), row_ids=mx.nd.array([0]))
+    with pytest.raises(ValueError, match="needs row_ids"):
+        kv.row_sparse_pull(0, out=rows)
+    kv.close()

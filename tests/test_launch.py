@@ -411,6 +411,11 @@ def test_command_that_cannot_start(job):
 def test_unsupported_options_say_so(job):
     code, _, stderr = job.run(["-n", "1", "--sync-dst-dir", "/x"], job.cmd("env"))
     assert code == 2 and "--sync-dst-dir is not supported" in stderr
+    code, _, stderr = job.run(["-n", "1", "-s", "0"], job.cmd("env"))
+    assert code == 2 and "need -s >= 1 servers" in stderr
+    code, _, stderr = job.run(["-n", "1", "--bandwidth", "1gbit"], job.cmd("env"))
+    assert code == 2 and "--bandwidth and --delay shape the links of --launcher netns only" \
+        in stderr
     code, _, stderr = job.run(["-n", "1", "--launcher", "mpi"], job.cmd("env"))
     assert code == 2 and "--launcher mpi is not supported" in stderr
 
@@ -427,6 +432,28 @@ def test_help_lists_every_option_with_defaults(capsys):
         assert opt in text
     assert "(default: 10.0)" in text and "(default: 3.0)" in text
     assert "(default: same as -n)" in text
+
+
+def test_forwarding_passes_progress_to_a_terminal_and_drops_it_elsewhere():
+    """Carriage-return segments (a progress bar's refreshes) reach a terminal only; a
+    worker's rank line relabels its later lines."""
+    import io
+    from slimgc_mx.launch.job import LaunchedJob
+    from slimgc_mx.launch.plan import Task
+    text = (b"starting\nbar 1/3\rbar 2/3\rbar 3/3\r\nslimgc: worker 1 is kvstore rank 0 of 2\n"
+            b"epoch done\npartial")
+    seen = {}
+    for terminal in (True, False):
+        task = Task("worker", 1, None, launch.LocalRunner(), {})
+        sink = io.BytesIO()
+        job = LaunchedJob([task], ["true"], ".", 1.0, 1.0)
+        job._forward(task, io.BufferedReader(io.BytesIO(text)), sink, terminal)
+        seen[terminal] = sink.getvalue()
+        assert task.rank == 0 and task.prefix == "[rank 0] "
+    assert b"[worker 1] bar 2/3\r" in seen[True] and b"bar" not in seen[False]
+    assert seen[False] == (b"[worker 1] starting\n[worker 1] \n"
+                           b"[rank 0] slimgc: worker 1 is kvstore rank 0 of 2\n"
+                           b"[rank 0] epoch done\n[rank 0] partial\n")
 
 
 # ---------------------------------------------------------------- real MXNet job
@@ -457,3 +484,21 @@ def test_real_mxnet_dist_sync_job(job):
     assert {line.split("]")[0] for line in stdout.splitlines() if "sum ok" in line} == {
         "[worker 0", "[worker 1"}
     assert time.monotonic() - start < 40
+
+
+@pytest.mark.multiprocess
+def test_netns_launcher_runs_a_job_on_rate_limited_links(job):
+    """--launcher netns: every process in its own namespace; the namespaces are gone after."""
+    from slimgc_mx.launch import netns
+    ok, why = netns.netns_available()
+    if not ok:
+        pytest.skip("network namespaces unavailable here: " + why)
+    script = job.tmp / "mx_job.py"
+    script.write_text(MX_JOB)
+    before = set(netns.list_namespaces())
+    code, stdout, stderr = job.run(["-n", "2", "-s", "1", "--launcher", "netns", "--bandwidth",
+                                    "100mbit"], [sys.executable, str(script)], timeout=60)
+    assert code == 0, stdout + stderr
+    assert stdout.count("dist_sync sum ok on rank") == 2
+    assert "each in its own namespace on a 100mbit link" in stderr
+    assert set(netns.list_namespaces()) == before

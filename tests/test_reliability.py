@@ -167,9 +167,11 @@ class Launched:
 
 
 def _reached(text, step, workers=2):
-    """True once `workers` launcher lines read '[worker I] rank R step STEP'."""
+    """True once `workers` launcher lines read '[rank R] rank R step STEP' (a worker's lines
+    are labelled by launch index until it says its kvstore rank)."""
     return sum(1 for line in text.splitlines()
-               if line.startswith("[worker ") and line.endswith(" step %d" % step)) >= workers
+               if line.startswith(("[worker ", "[rank ")) and line.endswith(" step %d" % step)
+               ) >= workers
 
 
 # ---------------------------------------------------------------- 1. kill -9 under the launcher
@@ -342,6 +344,8 @@ def test_nan_gradient_on_one_worker_fails_both_workers(tmp_path):
         assert info.get("error_cause") == "NonFiniteAggregateError", info
         assert info["error_type"] == "PipelineError"
         assert "no weights were updated" in info["error"]
+        # the NaN's payload, summed by MXNet's own servers, names the worker that sent it
+        assert "sent by worker rank 1" in info["error"], info["error"]
         assert 12 <= info["error_step"] <= 14  # raised at the next wait of the training thread
         # Steps 0..11 were applied, step 12 was not, and both workers hold the same weights.
         assert info["glo_versions"] and set(info["glo_versions"]) == {12}, info["glo_versions"]

@@ -26,6 +26,15 @@ def test_help():
         assert opt in r.stdout
 
 
+def test_the_main_jobs_help_is_train_scripts_once():
+    """bash scripts/run.sh train --help: the help of train.py, once, no job started."""
+    r = subprocess.run(["bash", "scripts/run.sh", "train", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("usage: train.py") == 1 and "--comm-threshold" in r.stdout
+    assert "[launcher]" not in r.stderr
+
+
 def test_local_mlp_digits_learns(tmp_path):
     out = tmp_path / "r.json"
     r = _run("--kvstore", "local", "--model", "mlp", "--dataset", "digits", "--epochs", "2",

@@ -108,3 +108,12 @@ def test_one_engine_thread_is_warned_about_with_the_fix():
     for environ in ({}, {"MXNET_CPU_WORKER_NTHREADS": "1"}, {"MXNET_CPU_WORKER_NTHREADS": "x"}):
         assert "start workers with MXNET_CPU_WORKER_NTHREADS=2" in engine_threads_warning(environ)
     assert engine_threads_warning({"MXNET_CPU_WORKER_NTHREADS": "2"}) is None
+
+
+def test_a_second_dist_store_in_one_process_is_refused(monkeypatch):
+    """MXNet's dist kvstore exists once per process: a second one would hang."""
+    from slimgc_mx.transport import dist
+    live = _transport(piece_bytes=0)  # stands in for the first store's transport
+    monkeypatch.setattr(dist, "_LIVE", {live})
+    with pytest.raises(RuntimeError, match="already has a SlimGC store on MXNet's dist kvstore"):
+        DistTransport()

@@ -3,6 +3,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 
 import mxnet as mx
 import numpy as np
@@ -54,12 +55,22 @@ def engine_threads_warning(environ):
             % (var, environ.get(var, "1"), var, env.WORKER_ENGINE_THREADS))
 
 
+_LIVE = weakref.WeakSet()  # DistTransports whose MXNet kvstore is not released
+
+
 class DistTransport(Transport):
     """MXNet's native dist_sync kvstore: stock servers sum what the workers push."""
 
     kind = "dist_sync"
 
     def __init__(self, timeout=None, piece_bytes=0, environ=None):
+        live = [t for t in _LIVE if t._kv is not None]
+        if live:
+            raise RuntimeError(
+                "this process already has a SlimGC store on MXNet's dist kvstore, which exists "
+                "once per process; create one store and pass the object (e.g. Module.fit("
+                "kvstore=kv)) instead of creating another by name")
+        _LIVE.add(self)
         # Read by MXNet when the kvstore is created; a value the user set stays.
         self.bigarray_bound = env.bigarray_bound(BIGARRAY_BOUND, environ)
         self._kv = mx.kv.create("dist_sync")
