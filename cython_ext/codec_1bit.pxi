@@ -1,7 +1,8 @@
 # 1bit (slimgc_mx/codecs/onebit.py): q = (c >= 0), value scale * (2q - 1).
 
 cdef Py_ssize_t _levels_1bit(const float* g, float* r, float* q, Py_ssize_t cnt,
-                             const LevelArgs* a, double* stat) noexcept nogil:
+                             const LevelArgs* a, Py_ssize_t e0, Py_ssize_t ce0,
+                             double* stat) noexcept nogil:
     # s * (2q - 1) in float32 equals own[q] bit for bit. The statistic, sum |c|, is added
     # in element order in a loop of its own, so the level loop still vectorizes.
     cdef Py_ssize_t j

@@ -1,7 +1,8 @@
 # 2bit (slimgc_mx/codecs/twobit.py): levels {-t, 0, +t} -> q in {0, 1, 2}.
 
 cdef Py_ssize_t _levels_2bit(const float* g, float* r, float* q, Py_ssize_t cnt,
-                             const LevelArgs* a, double* stat) noexcept nogil:
+                             const LevelArgs* a, Py_ssize_t e0, Py_ssize_t ce0,
+                             double* stat) noexcept nogil:
     # Branch-free so it vectorizes; t * (q - 1) in float32 is exact, so it equals
     # own[q] = float32(double(t) * (q - 1)) bit for bit. No statistic.
     cdef Py_ssize_t j

@@ -1,7 +1,8 @@
 # 4bit (slimgc_mx/codecs/fourbit.py): q = offset +- units[#thresholds <= |c|].
 
 cdef Py_ssize_t _levels_4bit(const float* g, float* r, float* q, Py_ssize_t cnt,
-                             const LevelArgs* a, double* stat) noexcept nogil:
+                             const LevelArgs* a, Py_ssize_t e0, Py_ssize_t ce0,
+                             double* stat) noexcept nogil:
     # Largest threshold <= |c| by seven selects (branch-free, vectorizes). The value sent
     # is +-th[k] = +-float32(0.01 * units[k+1]): own[q] bit for bit. The statistic, sum
     # |g|, is added in element order in a loop of its own.

@@ -10,6 +10,8 @@ Validation lives in the Python wrappers (slimgc_mx.codecs); the kernels only gua
 the sizes their raw-pointer loops rely on. A codec's level function and entry point
 live in codec_<name>.pxi, included below the driver.
 """
+import numpy as np
+
 from cython.parallel cimport parallel, prange
 from libc.stdlib cimport calloc, free
 from libc.float cimport FLT_MAX
@@ -45,6 +47,30 @@ cdef extern from *:
     }
     """
     double slimgc_pack(const float* q, const double* pw, Py_ssize_t cnt) noexcept nogil
+
+cdef extern from *:
+    """
+    /* The counter-based generator of stochastic rounding: a uniform float in [0, 1) for
+       element e of the push keyed by `seed` (SplitMix64's finalizer of seed + e * golden
+       ratio). Any thread, any order: the same number (slimgc_mx/codecs/rng.py mirrors it). */
+    static inline uint64_t slimgc_mix(uint64_t x) {
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+        return x ^ (x >> 31);
+    }
+    static inline float slimgc_uniform(uint64_t seed, int64_t e) {
+        return (float)(slimgc_mix(seed + (uint64_t)e * 0x9E3779B97F4A7C15ULL) >> 40)
+               * 5.9604644775390625e-08f;
+    }
+    """
+    uint64_t slimgc_mix(uint64_t x) noexcept nogil
+    float slimgc_uniform(uint64_t seed, int64_t e) noexcept nogil
+
+
+def uniform(uint64_t seed, int64_t e):
+    """slimgc_uniform(seed, e): the RNG the kernels use, for tests against rng.py."""
+    return slimgc_uniform(seed, e)
+
 
 chunk_lanes = CHUNK_LANES
 check_chunk = CHECK_CHUNK
@@ -82,16 +108,20 @@ cdef Py_ssize_t _count_bad(const float* x, Py_ssize_t count) noexcept nogil:
 # handed in), which it can only find while writing.
 
 cdef struct LevelArgs:
-    float scale          # the codec's scalar: 2bit threshold t, 1bit scale s
-    const float* table   # a codec's float table (4bit thresholds)
+    float scale          # the codec's scalar: 2bit threshold t, 1bit scale s, a shared max
+    const float* table   # a codec's float table (4bit thresholds, per-bucket scales)
     const int* units     # a codec's int table (4bit units)
-    int offset           # a codec's level offset (4bit)
+    int offset           # a codec's level offset (4bit), or its number of levels
+    Py_ssize_t bucket    # elements per bucket of a codec with per-bucket state
+    uint64_t seed        # the counter-based RNG's key of this push (slimgc_uniform)
 
 
-# A codec's level function: levels q, residual r and the count of non-finite c for cnt
-# elements; adds its trailer statistic (if any) to stat[0] in element order.
+# A codec's level function: for cnt elements starting at element e0 of the tensor
+# (ce0: the first element of their chunk), levels q, residual r and the count of
+# non-finite c; adds its statistics (if any) to the chunk's row `stat` in element order.
 ctypedef Py_ssize_t (*levels_fn)(const float* g, float* r, float* q, Py_ssize_t cnt,
-                                 const LevelArgs* a, double* stat) noexcept nogil
+                                 const LevelArgs* a, Py_ssize_t e0, Py_ssize_t ce0,
+                                 double* stat) noexcept nogil
 
 
 cdef struct EncodeJob:
@@ -105,6 +135,7 @@ cdef struct EncodeJob:
     Py_ssize_t k
     Py_ssize_t n_lanes
     Py_ssize_t chunk
+    Py_ssize_t stat_width  # doubles of statistics per chunk
     bint checked
 
 
@@ -136,21 +167,20 @@ cdef inline void _pack_block(const float* q, const double* pw, double* lanes,
 
 
 
-cdef double _encode_blocks(const EncodeJob* job, Py_ssize_t lo, Py_ssize_t hi,
-                           Py_ssize_t* bad) noexcept nogil:
+cdef void _encode_blocks(const EncodeJob* job, Py_ssize_t lo, Py_ssize_t hi,
+                         Py_ssize_t* bad, double* stat) noexcept nogil:
     # Lanes [lo, hi) in blocks of BLOCK lanes: one level loop over their elements, then
-    # the packing. Returns the chunk's trailer statistic.
+    # the packing; the chunk's statistics go to its row `stat`.
     cdef Py_ssize_t i0 = lo, i1, start, cnt
     cdef float q[BLOCK * MAX_DIGITS]
-    cdef double stat = 0.0
     while i0 < hi:
         i1 = min(i0 + BLOCK, hi)
         start = i0 * job.k
         cnt = min(i1 * job.k, job.n) - start
-        bad[0] += job.levels(job.g + start, job.r + start, q, cnt, &job.args, &stat)
+        bad[0] += job.levels(job.g + start, job.r + start, q, cnt, &job.args, start,
+                             lo * job.k, stat)
         _pack_block(q, job.pw, <double*>job.out, i0, i1, job.n, job.k)
         i0 = i1
-    return stat
 
 
 cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
@@ -163,15 +193,16 @@ cdef void _copy_sum(const float* g, float* r, float* lanes, Py_ssize_t lo,
 
 
 
-cdef double _encode_chunk(const EncodeJob* job, Py_ssize_t c, Py_ssize_t* bad) noexcept nogil:
-    """Encode lanes [c*chunk, (c+1)*chunk); returns the chunk's trailer partial sum and
-    adds the count of non-finite c to bad[0]."""
+cdef void _encode_chunk(const EncodeJob* job, Py_ssize_t c, Py_ssize_t* bad,
+                        double* stat) noexcept nogil:
+    """Encode lanes [c*chunk, (c+1)*chunk) with statistics row `stat`; adds the count of
+    non-finite c to bad[0]."""
     cdef Py_ssize_t lo = c * job.chunk
     cdef Py_ssize_t hi = min(lo + job.chunk, job.n_lanes)
     if job.levels == NULL:
         _copy_sum(job.g, job.r, <float*>job.out, lo, hi, bad)
-        return 0.0
-    return _encode_blocks(job, lo, hi, bad)
+    else:
+        _encode_blocks(job, lo, hi, bad, stat)
 
 
 cdef inline bint _all_zero(const Py_ssize_t* flags, Py_ssize_t count) noexcept nogil:
@@ -185,24 +216,26 @@ cdef inline bint _all_zero(const Py_ssize_t* flags, Py_ssize_t count) noexcept n
 
 cdef tuple _run(EncodeJob* job, int num_threads):
     """Check, then encode. Returns (non-finite grad count, non-finite grad + residual
-    count, trailer sum); nothing is written when the first count is not 0. A job whose
-    gradient the caller has already checked skips the read-only pass."""
+    count, statistics): one row of stat_width doubles per chunk, in chunk order, for the
+    codec to reduce (sum, max, per bucket); nothing is written when the first count is
+    not 0. A job whose gradient the caller has already checked skips the read-only pass."""
     cdef Py_ssize_t n_check = _ceil_div(job.n, CHECK_CHUNK)
     cdef Py_ssize_t n_checked = 0 if job.checked else n_check
     cdef Py_ssize_t n_chunks = _ceil_div(job.n_lanes, job.chunk)
+    cdef Py_ssize_t width = max(1, job.stat_width)
     cdef Py_ssize_t c1, c2, bad = 0, bad_comp = 0
-    cdef double total = 0.0
     cdef bint clean = False
     cdef int team = _team(num_threads, max(n_check, n_chunks))
+    stats = np.zeros((n_chunks, width), dtype=np.float64)
     if job.n == 0:
-        return 0, 0, 0.0
+        return 0, 0, stats
+    cdef double[:, ::1] rows = stats
+    cdef double* part = &rows[0, 0]
     cdef Py_ssize_t* flags = <Py_ssize_t*>calloc(n_check, sizeof(Py_ssize_t))
     cdef Py_ssize_t* comp_flags = <Py_ssize_t*>calloc(n_chunks, sizeof(Py_ssize_t))
-    cdef double* part = <double*>calloc(n_chunks, sizeof(double))
-    if flags == NULL or comp_flags == NULL or part == NULL:
+    if flags == NULL or comp_flags == NULL:
         free(flags)
         free(comp_flags)
-        free(part)
         raise MemoryError()
     with nogil, parallel(num_threads=team):
         for c1 in prange(n_checked, schedule="dynamic"):
@@ -212,17 +245,15 @@ cdef tuple _run(EncodeJob* job, int num_threads):
         clean = _all_zero(flags, n_check)
         if clean:
             for c2 in prange(n_chunks, schedule="dynamic"):
-                part[c2] = _encode_chunk(job, c2, &comp_flags[c2])
+                _encode_chunk(job, c2, &comp_flags[c2], part + c2 * width)
     for c1 in range(n_check):
         bad += flags[c1]
     if bad == 0:
         for c2 in range(n_chunks):
-            total += part[c2]
             bad_comp += comp_flags[c2]
     free(flags)
     free(comp_flags)
-    free(part)
-    return bad, bad_comp, total
+    return bad, bad_comp, stats
 
 
 cdef EncodeJob _job(levels_fn levels, const float[::1] grad, float[::1] residual, void* out,
@@ -245,6 +276,9 @@ cdef EncodeJob _job(levels_fn levels, const float[::1] grad, float[::1] residual
     job.args.table = NULL
     job.args.units = NULL
     job.args.offset = 0
+    job.args.bucket = 0
+    job.args.seed = 0
+    job.stat_width = 1
     job.checked = checked
     return job
 
@@ -274,6 +308,7 @@ include "codec_none.pxi"
 include "codec_1bit.pxi"
 include "codec_2bit.pxi"
 include "codec_4bit.pxi"
+include "codec_terngrad.pxi"
 
 
 # ---------------------------------------------------------------- decoder

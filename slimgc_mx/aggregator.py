@@ -41,7 +41,7 @@ class Aggregator:
             codec, cttab = None, CTTab(NEVER, cfg.warmup_steps, cfg.cttab_rule)
         else:
             codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
-                                  num_threads=cfg.num_threads)
+                                  num_threads=cfg.num_threads, **cfg.codec_options)
             cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule,
                           cfg.cttab_margin)
         self.cttab = cttab
@@ -202,7 +202,7 @@ class Aggregator:
         if transfer.compressed and b.device is not None:
             # Offload off: encode with NDArray ops on the gradient's own context, in line.
             try:
-                b.device.encode(grad, b.residual.nd, self.num_workers, out=b.bit_buf.nd)
+                b.device.encode_key(b, grad, self.num_workers, self.transport.rank)
                 b.residual_pending = True
             except codecs.NonFiniteGradientError:
                 mark_nonfinite(b.bit_buf.for_write(), self.transport.rank)
@@ -329,8 +329,9 @@ def _store_sums(transfer, glos):
 
 
 def _device_codec(codec):
-    from .device import DeviceCodec
-    return DeviceCodec(codec)
+    """The codec on the training thread (offload off): NDArray ops, or the CPU kernel in line."""
+    from .device import DeviceCodec, InlineCodec
+    return DeviceCodec(codec) if DeviceCodec.supports(codec) else InlineCodec(codec)
 
 
 def _sum(arrays):

@@ -27,7 +27,9 @@ _WARNED = set()  # SLIMGC_* variables already warned about
 class SlimGCConfig:
     """Options of the SlimGC kvstore (see docs/configuration.md).
 
-    compressor      codec name: none, 1bit, 2bit, 4bit
+    compressor      codec name (codecs.available(): none, 1bit, 2bit, 4bit, ...)
+    codec_options   the codec's own options, e.g. {'levels': 8} for qsgd (docs/codecs.md)
+    seed            the job's seed of stochastic rounding (every worker draws alike)
     threshold       the codec's threshold (2bit: t; 1bit and 4bit validate it but do not use it)
     comm_threshold  'auto' (warm-up builds the CTTab), a size in bytes (tensors of at least
                     that many bytes are compressed), 'off' (compress every tensor), or the
@@ -51,6 +53,8 @@ class SlimGCConfig:
     """
 
     compressor: str = "2bit"
+    codec_options: dict = dataclasses.field(default_factory=dict)
+    seed: int = 0
     threshold: float = 0.5
     comm_threshold: Union[str, int] = "auto"
     warmup_steps: int = 20
@@ -99,6 +103,11 @@ class SlimGCConfig:
         if self.compressor not in codecs.available():
             raise ValueError("unknown compressor %r; valid: %s"
                              % (self.compressor, ", ".join(codecs.available())))
+        if not isinstance(self.codec_options, dict):
+            raise ValueError("codec_options must be a dict, got %r" % (self.codec_options,))
+        self.codec_options = codecs.create(self.compressor, **self.codec_options).option_values
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError("seed must be an integer >= 0, got %r" % (self.seed,))
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
                 and self.threshold > 0):
             raise ValueError("threshold must be a positive finite number, got %r"
@@ -142,7 +151,8 @@ class SlimGCConfig:
 
     def agreement_fields(self):
         """The settings that must be identical on every worker."""
-        return {"compressor": self.compressor, "threshold": float(self.threshold),
+        return {"compressor": self.compressor, "codec_options": self.codec_options,
+                "seed": self.seed, "threshold": float(self.threshold),
                 "comm_threshold": self._comm_threshold_agreed(), "warmup_steps": self.warmup_steps,
                 "cttab_margin": float(self.cttab_margin),
                 "backup": self.backup, "offload": self.offload, "fuse": self.fuse,
@@ -162,14 +172,22 @@ _ALIASES = {"type": "compressor"}
 
 
 def normalize_options(options):
-    """Map MXNet-style keys to field names, parse strings, reject unknown names."""
+    """Map MXNet-style keys to field names, parse strings, reject unknown names.
+
+    A key that is an option of the chosen codec (or of any codec) goes to codec_options.
+    """
     valid = SlimGCConfig.field_names()
+    codec_keys = {name for codec in codecs.available() for name in codecs.option_names(codec)}
     out = {}
     for key, value in dict(options).items():
         name = _ALIASES.get(key, key)
+        if name not in valid and key in codec_keys:
+            out.setdefault("codec_options", {})[key] = value
+            continue
         if name not in valid:
-            raise ValueError("unknown SlimGC option %r; valid: %s"
-                             % (key, ", ".join(["type"] + valid)))
+            raise ValueError("unknown SlimGC option %r; valid: %s, or a codec's own option (%s)"
+                             % (key, ", ".join(["type"] + valid),
+                                ", ".join(sorted(codec_keys)) or "none"))
         out[name] = _parse(name, value, repr(key)) if isinstance(value, str) else value
     if isinstance(out.get("comm_threshold"), float) and out["comm_threshold"].is_integer():
         out["comm_threshold"] = int(out["comm_threshold"])
@@ -189,8 +207,13 @@ def _parse(name, raw, where):
             raise ValueError
         if name in ("threshold", "timeout", "loc_lr", "cttab_margin"):
             return float(raw)
-        if name in ("warmup_steps", "num_threads", "audit_every", "piece_bytes"):
+        if name in ("warmup_steps", "num_threads", "audit_every", "piece_bytes", "seed"):
             return int(raw)
+        if name == "codec_options":  # SLIMGC_CODEC_OPTIONS=levels=8,bucket_size=256
+            pairs = [item.partition("=") for item in raw.split(",") if item.strip()]
+            if any(not sep or not k.strip() for k, sep, _ in pairs):
+                raise ValueError
+            return {k.strip(): v.strip() for k, _, v in pairs}
         if name == "comm_threshold":
             if raw.lower() in ("auto", "off"):
                 return raw.lower()
@@ -206,5 +229,6 @@ _EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
              "threshold": "a number", "timeout": "a number of seconds", "loc_lr": "a number",
              "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
              "piece_bytes": "an integer number of bytes",
-             "cttab_margin": "a number",
+             "cttab_margin": "a number", "seed": "an integer",
+             "codec_options": "NAME=VALUE pairs separated by commas",
              "comm_threshold": "'auto', 'off', a size in bytes or a saved CTTab file"}

@@ -51,16 +51,31 @@ class DeviceCodec:
     """Runs `codec`'s encode/decode with NDArray ops; the codec keeps the shared state."""
 
     def __init__(self, codec):
-        if not isinstance(codec, LaneCodec) or type(codec).device_levels is \
-                LaneCodec.device_levels or codec.levels is None:
+        if not self.supports(codec):
             name = getattr(codec, "name", type(codec).__name__)
             raise ValueError("DeviceCodec supports lane codecs with levels (1bit, 2bit, 4bit, "
                              "...), got %r" % (name,))
         self.codec = codec
         self._consts = {}
 
+    @staticmethod
+    def supports(codec):
+        """True for a lane codec with NDArray levels and no gathered trailer."""
+        return (isinstance(codec, LaneCodec) and codec.levels is not None
+                and type(codec).device_levels is not LaneCodec.device_levels
+                and not codec.gathered and codec.rounds == 1)
+
     def __repr__(self):
         return "DeviceCodec(%r)" % (self.codec,)
+
+    def encode_key(self, b, grad, num_workers, rank):
+        """Encode key buffers `b`'s gradient `grad` (an NDArray) into its bit_buf."""
+        self.encode(grad, b.residual.nd, num_workers, out=b.bit_buf.nd)
+
+    def decode_key(self, b, num_workers):
+        """Decode key buffers `b`'s summed lanes into its agg; waits for the result."""
+        self.decode(b.bit_sum.nd, b.size, num_workers, out=b.agg.nd)
+        b.agg.for_read()
 
     # ------------------------------------------------------------ constants
     def _const(self, kind, ctx, params, make):
@@ -201,6 +216,25 @@ class DeviceCodec:
                 mx.nd.cast(values, dtype=np.float32, out=dst)
             else:
                 _store(values.astype(np.float32), dst)
-        if stat is not None:
-            codec._agree(stat)
+        codec._agreed(stat)
         return out
+
+
+class InlineCodec:
+    """Offload off for a codec without NDArray levels: its CPU kernel runs on the training
+    thread, after the gradient is in grad_buf, so compression is not overlapped with
+    training (what compressing on the device costs the step)."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def __repr__(self):
+        return "InlineCodec(%r)" % (self.codec,)
+
+    def encode_key(self, b, grad, num_workers, rank):
+        self.codec.encode(b.grad_buf.for_read(), b.residual.for_write(), num_workers,
+                          out=b.bit_buf.for_write(), rank=rank)
+
+    def decode_key(self, b, num_workers):
+        self.codec.decode(b.rounds[-1].recv.for_read(), b.size, num_workers,
+                          out=b.agg.for_write())

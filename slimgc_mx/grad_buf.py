@@ -3,12 +3,28 @@
 The gradient is copied into grad_buf; the full-precision route sends grad_buf itself
 as fp_buf, the compressed route encodes it into bit_buf (the codec's lanes). What comes
 back is the sum over workers: `agg` for fp_buf, `bit_sum` for bit_buf, decoded into
-`agg` (or inside the SGD kernel's update).
+`agg` (or inside the SGD kernel's update). A codec may exchange several rounds per step
+(PowerSGD: P, then Q) and gather instead of sum (TopK: every worker's slot side by
+side); each round has its own send and receive buffers (`rounds`).
 """
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+
+@dataclass
+class WireRound:
+    """One exchange of a compressed step: what is sent, where the result lands, and how.
+
+    route: 'sum' (the servers add the workers' arrays) or 'gather' (every worker's slot
+    comes back side by side, worker j's in rows j*slot_rows ..).
+    """
+
+    route: str
+    send: object  # a Buffer
+    recv: object  # a Buffer
+    key: Optional[int] = None  # the wire key, once declared
 
 
 class KeyBuffers:
@@ -36,11 +52,13 @@ class KeyBuffers:
         self.residual_pending = False  # the residual may hold error feedback not yet sent
         if codec is not None:
             self.residual = make_buffer((size,), np.float32)
-            lanes = max(1, codec.lane_count(size, num_workers))
-            self.bit_buf = make_buffer((lanes,), codec.wire_dtype)
-            self.bit_sum = make_buffer((lanes,), codec.wire_dtype)
+            self.rounds = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
+                           for route, send, recv, dtype in codec.wire_rounds(
+                               size, self.shape, num_workers)]
+            self.bit_buf, self.bit_sum = self.rounds[0].send, self.rounds[0].recv
         else:  # compressor 'none': full precision only, no error feedback
             self.residual = self.bit_buf = self.bit_sum = None
+            self.rounds = []
 
     @property
     def fp_buf(self):

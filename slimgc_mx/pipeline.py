@@ -66,6 +66,7 @@ class Transfer:
     t_comm: Optional[float] = None
     t_proc: float = 0.0  # encode + decode seconds
     nonfinite: bool = False  # this worker's gradient held NaN/Inf: it sends NaN
+    round: int = 0  # the exchange under way, for codecs with several per step
 
     def ready_array(self):
         """The NDArray the transfer waits for before it enters (its producer's output)."""
@@ -78,11 +79,17 @@ class Transfer:
 
     @property
     def wire(self):
-        """(wire key, what is sent, where the sum lands) of its route."""
+        """(wire key, what is sent, where the result lands) of its route and round."""
         b = self.buffers
         if self.compressed:
-            return b.wire.bit, b.bit_buf, b.bit_sum
+            r = b.rounds[self.round]
+            return r.key, r.send, r.recv
         return b.wire.fp, b.fp_buf, b.agg
+
+    @property
+    def gathers(self):
+        """True when this round's result is every worker's slot side by side, not a sum."""
+        return self.compressed and self.buffers.rounds[self.round].route == "gather"
 
 
 class Pipeline:
@@ -147,15 +154,18 @@ class Pipeline:
                 if outbox is not None:
                     outbox.put(None)
                 return
+            again = False
             if self.error is None:
                 try:
-                    fn(transfer)
+                    again = fn(transfer)
                 except BaseException as exc:  # kept for the training thread
                     self._fail(exc, transfer)
             if self.error is not None:
                 self._done()
                 continue
-            if outbox is not None:
+            if again:  # another round of a multi-round codec
+                self._queues[1].put(transfer)
+            elif outbox is not None:
                 outbox.put(transfer)
             else:
                 self._done()
@@ -196,7 +206,7 @@ class Pipeline:
                 if t.check is not None and t.check.nonfinite:
                     raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
                 b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,
-                               grad_checked=checked)
+                               grad_checked=checked, rank=self.transport.rank)
                 b.residual_pending = True
             except NonFiniteGradientError:
                 mark_nonfinite(lanes, self.transport.rank)
@@ -205,17 +215,23 @@ class Pipeline:
 
     def _communicate(self, t):
         wire, send, recv = t.wire
-        t.t_start = time.perf_counter()
-        t.handle = self.transport.push_pull(wire, send, recv, t.priority)
+        start = time.perf_counter()
+        if t.round == 0:
+            t.t_start = start
+        exchange = self.transport.gather if t.gathers else self.transport.push_pull
+        t.handle = exchange(wire, send, recv, t.priority)
         if t.serial:
             t.handle.wait()
-            t.t_comm = t.handle.elapsed or time.perf_counter() - t.t_start
+            t.t_comm = (t.t_comm or 0.0) + (t.handle.elapsed or time.perf_counter() - start)
 
     def _complete(self, t):
+        """Wait for the round; run the codec's next round, or decode and finish. True: the
+        transfer goes back to the communicator for its next round."""
         b = t.buffers
         t.handle.wait()
-        if t.t_comm is None:
-            t.t_comm = t.handle.elapsed or time.perf_counter() - t.t_start
+        if not t.serial:
+            t.t_comm = time.perf_counter() - t.t_start if t.handle.elapsed is None \
+                else (t.t_comm or 0.0) + t.handle.elapsed
         n = self.transport.num_workers
         _, _, received = t.wire
         values = received.for_read()
@@ -228,9 +244,16 @@ class Pipeline:
                     t.label, t.step, "worker rank %d" % sender if sender is not None
                     else "a worker this sum does not name (an overflow, or a NaN no check saw)",
                     "did" if t.nonfinite else "was finite"))
+        if t.compressed and t.round + 1 < b.codec.rounds:
+            nxt = b.rounds[t.round + 1].send
+            t0 = time.perf_counter()
+            b.codec.next_round(t.round, values, nxt.for_write(), n)
+            t.t_proc += time.perf_counter() - t0
+            t.round += 1
+            return True
         if t.compressed and b.device is not None:
             t0 = time.perf_counter()
-            b.device.decode(b.bit_sum.nd, b.size, n, out=b.agg.nd)
+            b.device.decode_key(b, n)
             b.agg.for_read()
             t.t_proc += time.perf_counter() - t0
         elif t.compressed and not t.decode_in_update:
@@ -239,6 +262,7 @@ class Pipeline:
             b.codec.decode(lanes, b.size, n, out=agg)
             t.t_proc += time.perf_counter() - t0
         self._finish(t)
+        return False
 
 
 def _flush_residual(b):

@@ -17,6 +17,7 @@ import logging
 
 import numpy as np
 
+from .codecs.rng import key_seed
 from .grad_buf import KeyBuffers, Push
 from .pipeline import Transfer
 from .transport.keys import KeyWire
@@ -162,13 +163,19 @@ class Planner:
         """Buffers and wire keys of a new key (collective: declares its wire keys)."""
         index = len(self.keys)
         codec = self.codec.clone() if self.codec is not None else None
+        if codec is not None:
+            codec.seed = key_seed(self.config.seed, index)
         b = KeyBuffers(index, shape, codec, self.transport.num_workers, self._make_buffer,
                        wire=self.transport.keys.per_key(index))
         if codec is not None and not self.config.offload:
             b.device = self._device_codec(codec)
         self.transport.declare(b.wire.fp, b.grad_buf)
-        if b.bit_buf is not None:
-            self.transport.declare(b.wire.bit, b.bit_buf)
+        for i, r in enumerate(b.rounds):
+            r.key = b.wire.bit if i == 0 else self.transport.keys.rounds(1)[0]
+            if r.route == "sum":
+                self.transport.declare(r.key, r.send)
+            else:
+                self.transport.declare_gather(r.key, r.send, r.recv)
         self.keys[key] = b
         self.steps[key] = 0
         return b

@@ -17,6 +17,7 @@ from mxnet import gluon
 import slimgc_mx
 import training_helpers as th
 from slimgc_mx import codecs, sgd
+from slimgc_mx.codecs.rng import key_seed
 from slimgc_mx.backup import BackupTimeout
 from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.pipeline import PipelineError
@@ -72,11 +73,13 @@ def test_none_codec_single_worker_matches_plain_trainer(backup):
 
 # ---------------------------------------------------------------- aggregation
 @pytest.mark.parametrize("name, offload", [("none", True), ("1bit", True), ("2bit", True),
-                                           ("4bit", True), ("2bit", False), ("4bit", False)])
+                                           ("4bit", True), ("2bit", False), ("4bit", False),
+                                           ("terngrad", True), ("terngrad", False)])
 def test_allreduce_over_threads_equals_the_codec_reference(name, offload):
     """Without an optimizer pushpull returns the summed (decoded) gradient, exactly.
 
-    offload=False encodes with NDArray ops on the gradient's context instead.
+    offload=False encodes with NDArray ops on the gradient's context instead (a codec
+    without them: its CPU kernel on the training thread).
     """
     n, size, steps = 3, 5000, 3
     rng = np.random.RandomState(7)
@@ -96,12 +99,14 @@ def test_allreduce_over_threads_equals_the_codec_reference(name, offload):
 
     results = th.in_threads(n, worker)
     ref = codecs.create(name, reference=True) if name != "none" else None
+    if ref is not None:
+        ref.seed = key_seed(0, 0)  # what the kvstore gives key #0 of a job with seed 0
     residuals = [np.zeros(size, np.float32) for _ in range(n)]
     for s in range(steps):
         if ref is None:
             expected = grads[s].sum(axis=0)
         else:
-            lanes = sum(ref.encode(grads[s, r], residuals[r], n).astype(np.float64)
+            lanes = sum(ref.encode(grads[s, r], residuals[r], n, rank=r).astype(np.float64)
                         for r in range(n))
             expected = ref.decode(lanes, size, n)
         for r in range(n):

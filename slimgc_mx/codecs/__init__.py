@@ -7,11 +7,11 @@
 One file per codec; each registers itself (docs/codecs.md, docs/extending.md). Nothing
 here imports MXNet.
 """
-from . import fourbit, none, onebit, twobit  # noqa: F401  (each registers its codecs)
+from . import fourbit, none, onebit, terngrad, twobit  # noqa: F401  (each registers itself)
 from .base import Codec, NonFiniteGradientError
 from .feedback import ErrorFeedback
 from .lanes import LaneCodec, lane_geometry
-from .registry import available, create, register
+from .registry import available, create, option_names, register
 
 __all__ = ["Codec", "ErrorFeedback", "LaneCodec", "NonFiniteGradientError", "available",
-           "create", "lane_geometry", "register"]
+           "create", "lane_geometry", "option_names", "register"]

@@ -119,28 +119,62 @@ def raise_nonfinite(grad, residual, out=None):
         "updated: reset the residual (residual[:] = 0)" % i)
 
 
+class Option:
+    """A codec option: its type, default, the check it must pass and what that check says."""
+
+    def __init__(self, kind, default, check, requirement):
+        self.kind, self.default, self.check, self.requirement = kind, default, check, requirement
+
+    def parse(self, codec, name, value):
+        """The value as `kind`, or a ValueError naming the codec, the option and the rule."""
+        if isinstance(value, str):
+            try:
+                value = self.kind(value) if self.kind is not bool else value.lower() in (
+                    "1", "true", "yes", "on")
+            except ValueError:
+                value = None
+        ok = (isinstance(value, self.kind) and not (self.kind is not bool
+                                                    and isinstance(value, bool))
+              or self.kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok or not self.check(value):
+            raise ValueError("codec %r: option %s=%r: must be %s (e.g. %s=%r)"
+                             % (codec, name, value, self.requirement, name, self.default))
+        return self.kind(value)
+
+
 class Codec:
     """A gradient codec with its shared per-key state; subclasses give the wire format.
 
     Class attributes: `name` (registry name), `wire_dtype` (what travels),
-    `takes_threshold` / `default_threshold`, `feedback` (the error-feedback seam,
+    `takes_threshold` / `default_threshold`, `options` ({name: Option}, given as
+    create(name, **options) or compression_params), `feedback` (the error-feedback seam,
     feedback.ErrorFeedback, or None for a codec without memory), `is_reference`
-    (the NumPy implementation, the test oracle).
+    (the NumPy implementation, the test oracle), `stochastic` (draws from rng.py).
     """
 
     name = None
     wire_dtype = np.dtype(np.float64)
     takes_threshold = False
     default_threshold = None
+    options = {}
     feedback = ErrorFeedback()
     is_reference = False
+    stochastic = False
 
-    def __init__(self, threshold=None, num_threads=None):
+    def __init__(self, threshold=None, num_threads=None, **options):
         threshold = check_threshold(threshold, self.name)
         if self.takes_threshold and threshold is None:
             threshold = self.default_threshold
         self._threshold = threshold if self.takes_threshold else None
         self.num_threads = num_threads
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ValueError("codec %r has no option %s; its options: %s" % (
+                self.name, ", ".join(unknown), ", ".join(sorted(self.options)) or "none"))
+        self.option_values = {name: spec.parse(self.name, name, options.get(name, spec.default))
+                              for name, spec in sorted(self.options.items())}
+        self.seed = 0  # this key's RNG key (rng.key_seed of the job seed and the key)
+        self.pushes = 0  # sums decoded so far: the step every worker agrees on
         self._cache = {}
 
     @property
@@ -156,26 +190,45 @@ class Codec:
     def num_threads(self, value):
         self._num_threads = check_num_threads(value)
 
+    def __getattr__(self, name):
+        values = self.__dict__.get("option_values")
+        if values is not None and name in values:
+            return values[name]
+        raise AttributeError("%r has no attribute %r" % (type(self).__name__, name))
+
     def __repr__(self):
-        return "%s(%r, threshold=%r, num_threads=%d)" % (
-            type(self).__name__, self.name, self.threshold, self.num_threads)
+        opts = "".join(", %s=%r" % item for item in self.option_values.items())
+        return "%s(%r, threshold=%r, num_threads=%d%s)" % (
+            type(self).__name__, self.name, self.threshold, self.num_threads, opts)
 
     def clone(self):
         """Same parameters, fresh shared state (one instance per key)."""
-        return type(self)(threshold=self._threshold, num_threads=self.num_threads)
+        return type(self)(threshold=self._threshold, num_threads=self.num_threads,
+                          **self.option_values)
+
+    def push_seed(self):
+        """The RNG key of the push about to be encoded: this key's seed and the step."""
+        from .rng import mix64
+        return mix64(self.seed + self.pushes)
 
     def state_dict(self):
         """The shared state as plain Python values (for checkpoints)."""
-        return {"codec": self.name, "threshold": self.threshold}
+        return {"codec": self.name, "threshold": self.threshold, "options": self.option_values,
+                "seed": self.seed, "pushes": self.pushes}
 
     def load_state_dict(self, state):
-        """Restore state_dict(); refuses a state of another codec or threshold."""
+        """Restore state_dict(); refuses a state of another codec, threshold or options."""
         if state.get("codec") != self.name:
             raise ValueError("state of codec %r cannot load into %r"
                              % (state.get("codec"), self.name))
         if state.get("threshold") != self.threshold:
             raise ValueError("state has threshold %r but this codec uses %r; create the codec "
                              "with the same threshold" % (state.get("threshold"), self.threshold))
+        if state.get("options", {}) != self.option_values:
+            raise ValueError("state has options %r but this codec uses %r"
+                             % (state.get("options", {}), self.option_values))
+        self.seed = int(state.get("seed", 0))
+        self.pushes = int(state.get("pushes", 0))
 
     # ------------------------------------------------------------ the wire (per family)
     def lane_count(self, size, num_workers):
@@ -186,12 +239,27 @@ class Codec:
         """Bits per element on the wire, each direction."""
         raise NotImplementedError
 
-    def encode(self, grad, residual, num_workers, out=None, grad_checked=False):
-        """Compensate, quantize and write the wire array; `residual` is updated in place."""
+    def encode(self, grad, residual, num_workers, out=None, grad_checked=False, rank=0):
+        """Compensate, quantize and write the wire array; `residual` is updated in place.
+
+        rank: this worker's rank (a codec that gathers per-worker values writes its slot)."""
         raise NotImplementedError
 
     def decode(self, wire_sum, size, num_workers, out=None):
-        """Sum over workers of the decoded values, float32 (size,), from the summed wire."""
+        """Sum over workers of the decoded values, float32 (size,), from the summed wire
+        (for a gathering codec: every worker's slot side by side)."""
+        raise NotImplementedError
+
+    #: Exchanges per step: a codec with more calls next_round between them.
+    rounds = 1
+
+    def wire_rounds(self, size, shape, num_workers):
+        """[(route, send shape, receive shape, dtype)] per round; route 'sum' or 'gather'."""
+        n = max(1, self.lane_count(size, num_workers))
+        return [("sum", (n,), (n,), self.wire_dtype)]
+
+    def next_round(self, done, result, send, num_workers):
+        """After round `done` came back as `result`, write round done+1's payload to `send`."""
         raise NotImplementedError
 
     @property

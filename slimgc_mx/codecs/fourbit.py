@@ -78,10 +78,10 @@ class FourBit(LaneCodec):
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         thresholds, units = _KERNEL_ARGS[self.group]
-        return self._kernel_result(
+        return self._chunk_order_sum(self._kernel_result(
             kernels().encode_4bit(grad, residual, out, self._powers(radix, k), thresholds,
                                   units, MAX_UNITS, self.num_threads, grad_checked),
-            grad, residual, out)
+            grad, residual, out))
 
     def device_levels(self, c, nd, const):
         a = nd.abs(c)
@@ -109,5 +109,5 @@ class FourBitReference(LaneReference, FourBit):
         u = np.array((0,) + GROUPS[self.group], dtype=np.int64)[idx]
         return MAX_UNITS + np.where(c < 0, -u, u)
 
-    def _statistic(self, grad, c):
+    def _statistic(self, grad, c, k):
         return np.abs(grad).astype(np.float64)

@@ -5,8 +5,11 @@ scale every worker shares: value = scale * (a*q + b). It packs k levels per floa
 lane in radix R = N*(L-1)+1 (R**k <= 2**53), so that the server's float sum of N
 workers' lanes is exactly the packing of the level sums (no carry, no rounding), and
 decode() unpacks digit sums D into scale * (a*D + N*b). A codec whose shared state
-moves (the 1bit scale, the 4bit group) appends trailer lanes with a statistic; every
-worker receives the same sum, so decode() updates every worker's state alike.
+moves appends trailer lanes: either one lane whose sum is the workers' summed statistic
+(the 1bit scale, the 4bit group: `trailer_lanes`), or N slots of `gathered` values, worker
+j's in slot j and zeros elsewhere, so that the sum is every worker's values side by side
+(a maximum over workers, per-bucket norms). Every worker receives the same sum, so
+decode() updates every worker's state alike.
 
 LaneCodec drives the compiled kernels; LaneReference is the NumPy implementation of
 the same arithmetic, bitwise equal, the test oracle. A codec file gives `_levels`
@@ -85,7 +88,8 @@ class LaneCodec(Codec):
     """
 
     levels = None
-    trailer_lanes = 0
+    trailer_lanes = 0  # lanes whose sum over workers is a statistic (mean via / N)
+    gathered = 0  # values per worker gathered side by side in N slots of trailer lanes
 
     # ------------------------------------------------------------ geometry
     def geometry(self, num_workers):
@@ -100,7 +104,11 @@ class LaneCodec(Codec):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError("size must be an integer >= 0, got %r" % (size,))
         _, k = self.geometry(num_workers)
-        return -(-int(size) // k) + self.trailer_lanes
+        return -(-int(size) // k) + self.trailer_lanes + num_workers * self.gathered_count(size)
+
+    def gathered_count(self, size):
+        """Values this codec gathers per worker for a tensor of `size` elements."""
+        return self.gathered
 
     def wire_bits_per_element(self, num_workers):
         """Bits per element on the wire, each direction (per-tensor trailer lanes excluded)."""
@@ -144,7 +152,7 @@ class LaneCodec(Codec):
         return m, _decode_rows(radix, m, float(scale), a, b, num_workers)
 
     # ------------------------------------------------------------ encode / decode
-    def encode(self, grad, residual, num_workers, out=None, grad_checked=False):
+    def encode(self, grad, residual, num_workers, out=None, grad_checked=False, rank=0):
         """Compensate, quantize and pack: returns the lanes; `residual` is updated in place.
 
         grad, residual: 1-D C-contiguous float32 of equal length. NaN/Inf in grad raises
@@ -154,6 +162,7 @@ class LaneCodec(Codec):
         grad_checked=True: the caller has already found grad finite (the kvstore's local
         update counts it), so the read-only pass is skipped; a non-finite grad is still
         found, while encoding, after residual and out were written.
+        rank: this worker's slot of gathered values.
         """
         n_workers = check_num_workers(num_workers)
         radix, k = self.geometry(n_workers)
@@ -172,6 +181,13 @@ class LaneCodec(Codec):
         stat = self._encode_into(grad, residual, out, radix, k, grad_checked)
         if self.trailer_lanes:
             out[-1] = stat / size if size else 0.0
+        t = self.gathered_count(size)
+        if t:
+            if not 0 <= rank < n_workers:
+                raise ValueError("rank must be in 0..%d, got %r" % (n_workers - 1, rank))
+            slots = out[n_lanes - n_workers * t:]
+            slots.fill(0.0)
+            slots[rank * t:(rank + 1) * t] = stat
         return out
 
     def decode(self, lanes_sum, size, num_workers, out=None):
@@ -187,9 +203,14 @@ class LaneCodec(Codec):
             check_vector("out", out, np.float32, writeable=True, length=size)
         check_disjoint(lanes_sum=lanes_sum, out=out)
         self._decode_into(lanes_sum, out, n_workers, radix, k)
+        self._agreed(stat)
+        return out
+
+    def _agreed(self, stat):
+        """After a decode: shared state from the trailer, and the next push's step."""
         if stat is not None:
             self._agree(stat)
-        return out
+        self.pushes += 1
 
     @property
     def decodes_by_table(self):
@@ -206,12 +227,12 @@ class LaneCodec(Codec):
             raise TypeError("%s decodes without the table kernel; call decode" % self.name)
         n_workers, radix, k, stat = self._check_sum(lanes_sum, size, num_workers)
         m, rows = self._rows(n_workers, radix, k, size)
-        if stat is not None:
-            self._agree(stat)
+        self._agreed(stat)
         return k, m, rows
 
     def _check_sum(self, lanes_sum, size, num_workers):
-        """(N, R, k, mean trailer statistic or None) of a valid lanes sum for `size` elements."""
+        """(N, R, k, the trailer: mean statistic, (N, values) gathered array, or None) of a
+        valid lanes sum for `size` elements."""
         n_workers = check_num_workers(num_workers)
         radix, k = self.geometry(n_workers)
         check_vector("lanes_sum", lanes_sum, self.wire_dtype,
@@ -223,10 +244,17 @@ class LaneCodec(Codec):
                 raise ValueError("%s: the trailer lane sums to %r, not a finite statistic >= 0; "
                                  "the lanes were not produced by this codec"
                                  % (self.name, lanes_sum[-1]))
+        t = self.gathered_count(size)
+        if t:
+            stat = lanes_sum[len(lanes_sum) - n_workers * t:].reshape(n_workers, t)
+            if not np.isfinite(stat).all():
+                raise ValueError("%s: the gathered trailer holds NaN/Inf; the lanes were not "
+                                 "produced by this codec" % self.name)
         return n_workers, radix, k, stat
 
-    def _agree(self, mean_stat):
-        """Update the shared state from the workers' mean trailer statistic."""
+    def _agree(self, stat):
+        """Update the shared state from the trailer: the workers' mean statistic, or the
+        (N, values) array of what every worker gathered."""
 
     # ------------------------------------------------------------ kernels (Cython)
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
@@ -239,13 +267,21 @@ class LaneCodec(Codec):
 
     @staticmethod
     def _kernel_result(result, grad, residual, out):
-        """A kernel's (non-finite grad, non-finite grad + residual, trailer sum) counts ->
-        the trailer sum, or the error."""
-        bad_grad, bad_sum, total = result
+        """A kernel's (non-finite grad count, non-finite grad + residual count, statistics
+        rows) -> the rows (one per chunk), or the error."""
+        bad_grad, bad_sum, rows = result
         if bad_grad:
             raise_nonfinite(grad, residual)
         if bad_sum:
             raise_nonfinite(grad, residual, out)
+        return rows
+
+    @staticmethod
+    def _chunk_order_sum(rows, column=0):
+        """A statistic summed the kernels' way: chunk by chunk, in order (chunk_sum)."""
+        total = 0.0
+        for part in rows[:, column].tolist():
+            total += part
         return total
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
@@ -278,12 +314,18 @@ class LaneReference:
         """int64 level q of each compensated value (grad + residual, float32)."""
         raise NotImplementedError
 
-    def _statistic(self, grad, compensated):
-        """float64 per-element statistic whose mean is the trailer lane, or None."""
+    def _statistic(self, grad, compensated, k):
+        """float64 per-element statistic whose mean is the trailer lane, or None; a codec
+        with gathered values returns them instead, reduced as its kernel reduces its
+        per-chunk rows (k: elements per lane, for chunk_sum)."""
         return None
+
+    def _before_levels(self, compensated):
+        """Hook for a codec that transforms the compensated values before levelling."""
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         c = self.feedback.compensate(grad, residual)
+        self._before_levels(c)
         if not np.isfinite(c).all():
             raise_nonfinite(grad, residual)
         q = self._levels(c)
@@ -294,8 +336,10 @@ class LaneReference:
         digits[:n] = q
         powers = np.array([radix ** j for j in range(k)], dtype=np.uint64)
         out[:n_lanes] = (digits.reshape(n_lanes, k) * powers).sum(axis=1).astype(np.float64)
-        stat = self._statistic(grad, c)
-        return None if stat is None else chunk_sum(stat, k)
+        stat = self._statistic(grad, c, k)
+        if stat is None or self.gathered_count(grad.shape[0]):
+            return stat
+        return chunk_sum(stat, k)
 
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         n = out.shape[0]

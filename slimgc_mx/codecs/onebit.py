@@ -46,10 +46,10 @@ class OneBit(LaneCodec):
         self.scale = scale
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
-        return self._kernel_result(
+        return self._chunk_order_sum(self._kernel_result(
             kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
                                   np.float32(self.scale), self.num_threads, grad_checked),
-            grad, residual, out)
+            grad, residual, out))
 
     def device_levels(self, c, nd, const):
         return c >= 0.0
@@ -63,5 +63,5 @@ class OneBitReference(LaneReference, OneBit):
     def _levels(self, c):
         return (c >= 0).astype(np.int64)
 
-    def _statistic(self, grad, c):
+    def _statistic(self, grad, c, k):
         return np.abs(c).astype(np.float64)

@@ -21,10 +21,16 @@ def available():
     return sorted(_CODECS)
 
 
-def create(name, threshold=None, num_threads=None, reference=False):
-    """A new codec instance by name; reference=True gives the NumPy implementation."""
+def create(name, threshold=None, num_threads=None, reference=False, **options):
+    """A new codec instance by name; reference=True gives the NumPy implementation;
+    `options` are the codec's own (its class's `options`)."""
     table = _REFERENCES if reference else _CODECS
     if not isinstance(name, str) or name not in table:
         raise ValueError("unknown codec %r; valid names: %s"
                          % (name, ", ".join(repr(n) for n in sorted(table))))
-    return table[name](threshold=threshold, num_threads=num_threads)
+    return table[name](threshold=threshold, num_threads=num_threads, **options)
+
+
+def option_names(name):
+    """The names of a registered codec's own options."""
+    return sorted(_CODECS[name].options)

@@ -98,6 +98,15 @@ class Transport:
         priority: MXNet's priority of the push and pull operators (higher goes first)."""
         raise NotImplementedError
 
+    def declare_gather(self, wire_key, send, recv):
+        """Create `wire_key` for gather(): `send` holds one worker's slot, `recv` all N."""
+        raise NotImplementedError
+
+    def gather(self, wire_key, send, recv, priority=0):
+        """Start collecting every worker's `send` into `recv`, worker j's in the j-th slot
+        (an allgather); returns a TransferHandle. Values must survive x + 0 exactly."""
+        raise NotImplementedError
+
     def broadcast(self, wire_key, buf):
         """Overwrite `buf` with rank 0's value (collective; wire_key must be declared)."""
         raise NotImplementedError

@@ -36,6 +36,12 @@ def piece_bounds(size, itemsize, piece_bytes):
     return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
 
 
+def _rows(buf):
+    """(rows, columns) of a gather buffer: its first dimension, and the rest flattened."""
+    shape = tuple(buf.nd.shape)
+    return (shape[0], int(np.prod(shape[1:]))) if len(shape) > 1 else (shape[0], 1)
+
+
 def probe_values(rank):
     """What worker `rank` pushes in the precision probe: integers float32 cannot hold."""
     return np.array([2.0 ** 48 + 2 * rank + 1, 2.0 ** 30 + rank, 1.0], dtype=np.float64)
@@ -89,6 +95,7 @@ class DistTransport(Transport):
             log.warning("slimgc: %s", warning)
         self._gather_keys = {}
         self._pieces = {}  # wire key -> (piece wire keys, element bounds)
+        self._gathers = {}  # wire key of a gather -> (own rows, all rows, shape)
 
     def declare(self, wire_key, buf):
         if not (0 <= wire_key < PER_KEY_LIMIT or FUSED_BASE <= wire_key < PIECE_BASE):
@@ -120,6 +127,36 @@ class DistTransport(Transport):
             self._kv.push(key, s, priority=priority)
             self._kv.pull(key, out=r, priority=priority)
         return PiecesHandle(recv, recvs)
+
+    def declare_gather(self, wire_key, send, recv):
+        """A row_sparse key of N slots of send's rows, every row present from the start.
+
+        The servers merge row_sparse pushes by row: the workers' disjoint slots are put
+        side by side, so a pull of every row returns every worker's slot (an allgather on
+        stock servers; every worker must push its whole slot every round)."""
+        if not (0 <= wire_key < PER_KEY_LIMIT or FUSED_BASE <= wire_key < PIECE_BASE):
+            raise WireKeyError("wire key %d collides with control or piece keys" % wire_key)
+        rows, cols = _rows(send)
+        total = rows * self.num_workers
+        if _rows(recv) != (total, cols):
+            raise ValueError("gather: the receive buffer holds %s rows x cols, not %d x %d"
+                             % (_rows(recv), total, cols))
+        every = mx.nd.arange(total, dtype=np.int64)
+        zeros = mx.nd.zeros((total, cols), dtype=send.nd.dtype)
+        self._kv.init(wire_key, mx.nd.sparse.row_sparse_array((zeros, every),
+                                                              shape=(total, cols)))
+        mine = mx.nd.arange(self.rank * rows, (self.rank + 1) * rows, dtype=np.int64)
+        self._gathers[wire_key] = (mine, every, (total, cols))
+
+    def gather(self, wire_key, send, recv, priority=0):
+        mine, every, shape = self._gathers[wire_key]
+        data = send.nd.reshape(-1, shape[1])
+        self._kv.push(wire_key, mx.nd.sparse.row_sparse_array((data, mine), shape=shape),
+                      priority=priority)
+        pulled = mx.nd.sparse.zeros("row_sparse", shape, dtype=send.nd.dtype)
+        self._kv.row_sparse_pull(wire_key, out=pulled, row_ids=every, priority=priority)
+        pulled.data.reshape(recv.nd.shape).copyto(recv.nd)
+        return TransferHandle(recv)
 
     def broadcast(self, wire_key, buf):
         split = self._pieces.get(wire_key)

@@ -13,6 +13,7 @@ PER_KEY_LIMIT = (1 << 31) // 9973
 CONTROL_BASE = 1 << 30              # allgathers (agreement, CTTab vote, audit)
 PROBE_BASE = CONTROL_BASE + 4096     # the server precision probe, one key per server
 FUSED_BASE = CONTROL_BASE + 16384    # fused full-precision buckets
+ROUND_BASE = CONTROL_BASE + 24576    # the further rounds of multi-round codecs (PowerSGD)
 PIECE_BASE = CONTROL_BASE + 32768    # pieces of large buffers
 PIECE_END = CONTROL_BASE + 107000
 
@@ -34,7 +35,8 @@ class WireKeys:
     """Hands out wire keys band by band, in the order the worker declares them."""
 
     def __init__(self):
-        self._next = {"control": CONTROL_BASE, "fused": FUSED_BASE, "piece": PIECE_BASE}
+        self._next = {"control": CONTROL_BASE, "fused": FUSED_BASE, "round": ROUND_BASE,
+                      "piece": PIECE_BASE}
 
     @staticmethod
     def per_key(index):
@@ -55,7 +57,11 @@ class WireKeys:
 
     def fused(self, count):
         """`count` new keys for fused buckets."""
-        return self._take("fused", count, PIECE_BASE, "fused bucket")
+        return self._take("fused", count, ROUND_BASE, "fused bucket")
+
+    def rounds(self, count):
+        """`count` new keys for further rounds of a multi-round codec."""
+        return self._take("round", count, PIECE_BASE, "round")
 
     def pieces(self, count, hint):
         """`count` new keys for the pieces of one buffer; `hint` says how to need fewer."""

@@ -16,6 +16,12 @@ class LocalTransport(Transport):
         np.copyto(recv.for_write(), send.for_read())
         return TransferHandle(recv)
 
+    def declare_gather(self, wire_key, send, recv):
+        pass
+
+    def gather(self, wire_key, send, recv, priority=0):
+        return self.push_pull(wire_key, send, recv, priority)
+
     def broadcast(self, wire_key, buf):
         pass
 

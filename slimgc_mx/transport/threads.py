@@ -82,6 +82,18 @@ class ThreadTransport(Transport):
         link = self._group.link
         return ThreadHandle(recv, take, None if link is None else link(send.nbytes))
 
+    def declare_gather(self, wire_key, send, recv):
+        pass
+
+    def gather(self, wire_key, send, recv, priority=0):
+        mine = send.for_read()
+        slots = np.zeros(recv.nbytes // mine.itemsize, dtype=mine.dtype)
+        slots[self.rank * mine.size:(self.rank + 1) * mine.size] = mine
+        take = self._group.add(("gather", wire_key), self._next_round(("gather", wire_key)),
+                               slots)
+        link = self._group.link
+        return ThreadHandle(recv, take, None if link is None else link(send.nbytes))
+
     def broadcast(self, wire_key, buf):
         view = buf.for_read()
         contribution = view if self.rank == 0 else np.zeros_like(view)

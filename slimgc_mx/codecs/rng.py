@@ -1,0 +1,35 @@
+"""The counter-based generator of stochastic rounding, in NumPy: the kernels' twin.
+
+A uniform float32 in [0, 1) for element e of a push is a pure function of (seed, e),
+SplitMix64's finalizer of seed + e * golden ratio, so 1 or N threads, any order, any run
+draw the same numbers. A push's seed mixes the job's seed, the key and the step
+(Codec.push_seed), so every worker draws the same numbers too.
+"""
+import numpy as np
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def mix64(x):
+    """SplitMix64's finalizer of the integer x (Python ints, 64-bit wrap-around)."""
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def key_seed(job_seed, key_index):
+    """The seed of one key: every worker derives the same from the job's seed."""
+    return mix64(mix64(job_seed) + key_index + 1)
+
+
+def uniform(seed, start, count):
+    """float32 uniforms of elements start .. start+count-1 of the push keyed by `seed`."""
+    with np.errstate(over="ignore"):
+        e = np.arange(start, start + count, dtype=np.uint64)
+        x = np.uint64(seed) + e * np.uint64(_GOLDEN)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)

@@ -1,0 +1,88 @@
+"""terngrad (Wen et al. 2017): stochastic ternarization to {-s, 0, +s}, with error feedback.
+
+Level q = 1 + sign(c) * [u < min(|c|, s) / s] for c = g + r and u uniform (rng.py),
+value s * (q - 1): unbiased for |c| <= s, L = 3, so the workers' levels add in radix
+2N+1 lanes. The scale s is shared: every worker appends its statistic in its own slot of
+N trailer lanes, the sum puts them side by side, and decode() sets the NEXT push's scale
+to their maximum, a value every worker receives identically. The statistic is max |c|,
+or with option clip_sigma > 0 (the paper's 2.5) min(max |c|, clip_sigma * std(c)): the
+paper's clipping of outliers. What lies above s stays in the residual. The first push
+has s = 0: it sends only the statistics and error feedback keeps the gradient.
+"""
+import math
+
+import numpy as np
+
+from . import rng
+from .base import Option, kernels
+from .lanes import LaneCodec, LaneReference, chunk_sum
+from .registry import register
+
+
+def _clip_stat(top, total, squares, size, clip_sigma):
+    """max |c|, or with clipping min(max |c|, clip_sigma * std(c)), as a float32 value."""
+    if clip_sigma > 0 and size:
+        mean = total / size
+        std = math.sqrt(max(squares / size - mean * mean, 0.0))
+        top = min(top, clip_sigma * std)
+    return float(np.float32(top))
+
+
+@register
+class TernGrad(LaneCodec):
+    """Ternary levels with a scale shared through gathered trailer values (the max)."""
+
+    name = "terngrad"
+    levels = 3
+    gathered = 1
+    stochastic = True
+    options = {"clip_sigma": Option(float, 0.0, lambda v: 0 <= v < 1e6 and math.isfinite(v),
+                                    "a number >= 0 (0: no clipping; the paper uses 2.5)")}
+
+    def __init__(self, threshold=None, num_threads=None, **options):
+        super().__init__(threshold=threshold, num_threads=num_threads, **options)
+        self.scale = 0.0
+
+    def _affine(self):
+        return self.scale, 1, -1
+
+    def _agree(self, gathered):
+        self.scale = float(np.float32(gathered[:, 0].max()))
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["scale"] = self.scale
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        scale = float(state["scale"])
+        if not (scale >= 0 and math.isfinite(scale)):
+            raise ValueError("terngrad scale must be finite and >= 0, got %r" % (state["scale"],))
+        self.scale = scale
+
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+        rows = self._kernel_result(
+            kernels().encode_terngrad(grad, residual, out, self._powers(radix, k),
+                                      np.float32(self.scale), self.push_seed(),
+                                      self.num_threads, grad_checked),
+            grad, residual, out)
+        return [_clip_stat(float(rows[:, 0].max()) if rows.size else 0.0,
+                           self._chunk_order_sum(rows, 1), self._chunk_order_sum(rows, 2),
+                           grad.shape[0], self.clip_sigma)]
+
+
+@register(reference=True)
+class TernGradReference(LaneReference, TernGrad):
+    def _levels(self, c):
+        s = np.float32(self.scale)
+        inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
+        x = np.minimum(np.abs(c), s) * inv
+        d = (rng.uniform(self.push_seed(), 0, c.shape[0]) < x).astype(np.int64)
+        return 1 + np.where(c < 0, -d, d)
+
+    def _statistic(self, grad, c, k):
+        v = c.astype(np.float64)
+        top = float(np.abs(v).max()) if v.size else 0.0
+        return [_clip_stat(top, chunk_sum(v, k), chunk_sum(v * v, k), c.shape[0],
+                           self.clip_sigma)]

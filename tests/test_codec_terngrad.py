@@ -1,0 +1,62 @@
+"""terngrad: the codec contract, its scale agreed through the gathered trailer, clipping,
+the RNG, options and errors."""
+import numpy as np
+import pytest
+
+from codec_contract import (check_error_feedback_identity, check_kernel_equals_reference,
+                            check_state_round_trip, check_sums_in_any_order_decode_alike,
+                            check_threads_bitwise_equal, check_unbiased, run_steps)
+from slimgc_mx import codecs
+from slimgc_mx.codecs import rng
+from slimgc_mx.codecs.base import kernels
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 16])
+@pytest.mark.parametrize("size", [1, 7, 4097, 70001])
+@pytest.mark.parametrize("options", [{}, {"clip_sigma": 2.5}])
+def test_kernel_equals_reference(n_workers, size, options):
+    check_kernel_equals_reference("terngrad", n_workers, size, options=options)
+
+
+def test_threads_and_orders_and_error_feedback():
+    check_threads_bitwise_equal("terngrad")
+    check_sums_in_any_order_decode_alike("terngrad")
+    check_error_feedback_identity("terngrad")
+    check_state_round_trip("terngrad", {"clip_sigma": 2.5})
+
+
+def test_unbiased_when_the_scale_covers_the_gradient():
+    state = codecs.create("terngrad").state_dict()
+    state["scale"] = 4.0  # above every |g| of the test gradient
+    check_unbiased("terngrad", state, variance=lambda g: 4.0 * np.abs(g))
+
+
+def test_the_scale_is_the_max_over_workers_of_the_last_push():
+    h = run_steps("terngrad", 3, 5000, 2, {}, seed=1)
+    first = max(float(np.abs(g).max()) for g in h[0]["grads"])
+    assert h[0]["state"]["scale"] == float(np.float32(first))
+    assert not h[0]["decoded"][0].any()  # the first push sends zeros: scale 0
+    levels = np.unique(h[1]["decoded"][0] / h[0]["state"]["scale"])
+    assert set(np.round(levels).astype(int)) <= set(range(-3, 4))  # 3 workers' {-1, 0, 1}
+
+
+def test_clipping_lowers_the_scale_to_a_multiple_of_the_spread():
+    h = run_steps("terngrad", 2, 20000, 1, {"clip_sigma": 2.5}, seed=2)
+    spread = max(2.5 * float(g.astype(np.float64).std()) for g in h[0]["grads"])
+    assert h[0]["state"]["scale"] <= spread * 1.01
+
+
+def test_rng_kernels_and_numpy_draw_the_same():
+    for seed in (0, 1, 2 ** 64 - 1, rng.mix64(12345)):
+        expected = rng.uniform(seed, 10 ** 9, 64)
+        got = np.array([kernels().uniform(seed, 10 ** 9 + i) for i in range(64)], np.float32)
+        np.testing.assert_array_equal(got, expected)
+        assert (expected >= 0).all() and (expected < 1).all()
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "lots", True])
+def test_bad_options_name_the_option(bad):
+    with pytest.raises(ValueError, match="codec 'terngrad': option clip_sigma="):
+        codecs.create("terngrad", clip_sigma=bad)
+    with pytest.raises(ValueError, match="codec 'terngrad' has no option levels"):
+        codecs.create("terngrad", levels=4)
