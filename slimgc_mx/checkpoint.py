@@ -21,6 +21,7 @@ def save(fname, agg, dump_optimizer=False):
         "global": agg.update.get_states(dump_optimizer),
         "local": local,
         "keys": agg.planner.state_dict(),
+        "buckets": agg.planner.bucket_state(),
         "backup": agg.backup.state_dict(),
         "cttab": agg.cttab.state_dict(),
         "counters": dataclasses.asdict(agg.stats),
@@ -57,5 +58,6 @@ def load(state, agg):
     agg.backup.load_state_dict(state["backup"])
     agg.cttab.load_state_dict(state["cttab"])
     agg.planner.refuse_stale_buckets()
+    agg.planner.load_bucket_state(state.get("buckets", []))
     for name, value in state["counters"].items():
         setattr(agg.stats, name, value)

@@ -43,6 +43,8 @@ class SlimGCConfig:
     offload         encode/decode on CPU threads with the Cython codecs (else NDArray ops)
     fuse            after the CTTab's decision, send the full-precision tensors as one
                     flat buffer per server and update them with one optimizer call
+    fuse_compressed compressed tensors below this many bytes share one compressed bucket
+                    ('auto': the size the CTTab's fit gives; 'off'; or a number of bytes)
     loc_lr          learning rate of the local update (default: the global optimizer's)
     loc_optimizer   optimizer name of the local update (default: a copy of the global one)
     num_threads     CPU threads of the codecs and the SGD kernel (default: all cores)
@@ -63,6 +65,7 @@ class SlimGCConfig:
     backup: bool = True
     offload: bool = True
     fuse: bool = True
+    fuse_compressed: Union[str, int] = "off"
     loc_lr: Optional[float] = None
     loc_optimizer: Optional[str] = None
     num_threads: Optional[int] = None
@@ -133,6 +136,11 @@ class SlimGCConfig:
                 raise ValueError("%s must be True or False, got %r (strings such as 'off' "
                                  "are parsed by from_sources() and replace())"
                                  % (name, getattr(self, name)))
+        fc = self.fuse_compressed
+        if not (fc in ("auto", "off") or isinstance(fc, int) and not isinstance(fc, bool)
+                and fc >= 0):
+            raise ValueError("fuse_compressed must be 'auto', 'off' or a size in bytes, got %r"
+                             % (fc,))
         if self.loc_lr is not None and not (math.isfinite(self.loc_lr) and self.loc_lr > 0):
             raise ValueError("loc_lr must be a positive finite number, got %r" % (self.loc_lr,))
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
@@ -156,6 +164,7 @@ class SlimGCConfig:
                 "comm_threshold": self._comm_threshold_agreed(), "warmup_steps": self.warmup_steps,
                 "cttab_margin": float(self.cttab_margin),
                 "backup": self.backup, "offload": self.offload, "fuse": self.fuse,
+                "fuse_compressed": self.fuse_compressed,
                 "piece_bytes": self.piece_bytes}
 
 
@@ -214,6 +223,8 @@ def _parse(name, raw, where):
             if any(not sep or not k.strip() for k, sep, _ in pairs):
                 raise ValueError
             return {k.strip(): v.strip() for k, _, v in pairs}
+        if name == "fuse_compressed":
+            return raw.lower() if raw.lower() in ("auto", "off") else int(raw)
         if name == "comm_threshold":
             if raw.lower() in ("auto", "off"):
                 return raw.lower()
@@ -230,5 +241,6 @@ _EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
              "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
              "piece_bytes": "an integer number of bytes",
              "cttab_margin": "a number", "seed": "an integer",
+             "fuse_compressed": "'auto', 'off' or a size in bytes",
              "codec_options": "NAME=VALUE pairs separated by commas",
              "comm_threshold": "'auto', 'off', a size in bytes or a saved CTTab file"}

@@ -12,13 +12,19 @@ the CTTab's decision the full-precision keys share one flat fp_buf per server: e
 member's grad_buf and agg become views into it, so the gradient copy the training
 thread makes anyway fills the fused buffer, one transfer moves it, and the global
 update serves every member with one Updater call (MXNet's multi-tensor ops).
+
+Compressed keys too small for their own transfer to pay (Cupcake's observation: a
+per-tensor cost of encoding, decoding and starting a transfer that does not shrink
+with the tensor) are fused the same way into compressed buckets: one residual, one
+codec instance and one set of lanes per bucket (option fuse_compressed; the CTTab's fit
+gives the size below which a tensor's fixed costs exceed what its bytes cost).
 """
 import logging
 
 import numpy as np
 
 from .codecs.rng import key_seed
-from .grad_buf import KeyBuffers, Push
+from .grad_buf import KeyBuffers, Push, WireRound
 from .pipeline import Transfer
 from .transport.keys import KeyWire
 
@@ -33,22 +39,34 @@ class Bucket:
     sent once every member is in it.
     """
 
-    codec = None
     device = None
-    bit_buf = None
+    residual_pending = False
 
-    def __init__(self, members, wire_key, make_buffer):
+    def __init__(self, members, wire_key, make_buffer, codec=None, num_workers=1):
         self.members = members  # {user key: KeyBuffers}, in key order
         self.size = sum(b.size for b in members.values())
         self.nbytes = 4 * self.size
-        self.wire = KeyWire(wire_key, None, None)
+        self.wire = KeyWire(wire_key, wire_key if codec is not None else None, None)
         self.grad_buf = make_buffer((self.size,), np.float32)
         self.agg = make_buffer((self.size,), np.float32)
+        self.codec = codec  # compressed bucket: one codec instance for all its members
+        self.residual = make_buffer((self.size,), np.float32) if codec is not None else None
         offset = 0
         for b in members.values():
             b.grad_buf = self.grad_buf.view(offset, b.shape)
             b.agg = self.agg.view(offset, b.shape)
+            if codec is not None:  # the member's error feedback carries on in the bucket
+                view = self.residual.view(offset, (b.size,))
+                np.copyto(view.for_write(), b.residual.for_read())
+                b.residual = view
             offset += b.size
+        self.rounds = []
+        if codec is not None:
+            self.rounds = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
+                           for route, send, recv, dtype in codec.wire_rounds(
+                               self.size, (self.size,), num_workers)]
+        self.bit_buf = self.rounds[0].send if self.rounds else None
+        self.bit_sum = self.rounds[0].recv if self.rounds else None
         self.pending = []
         self.settings = None  # the optimizer settings of the first push since the last transfer
 
@@ -84,25 +102,36 @@ class Bucket:
         """The transfer of what is in (the bucket starts collecting the next round)."""
         pending, self.pending = self.pending, []
         return Transfer(self, pending[0].step, pending, self.settings, self.label(name_of),
-                        compressed=False, priority=max(p.priority for p in pending))
+                        compressed=self.codec is not None,
+                        priority=max(p.priority for p in pending))
 
 
 class FusedRoute:
-    """The buckets of the full-precision keys: one per server, split by bytes in key order.
+    """The buckets of the full-precision keys (one per server, split by bytes in key
+    order), and of small compressed keys (runs in key order of at most `limit` bytes).
 
     One bucket per server keeps every server busy, as the per-key route does
     (consecutive wire keys go to consecutive servers). Building it declares the
     buckets' wire keys, so every worker must build it at the same point.
     """
 
-    def __init__(self, members, transport, make_buffer):
+    def __init__(self, members, transport, make_buffer, compressed=None, limit=0,
+                 make_codec=None):
         self.keys = list(members)
+        self.compressed_keys = list(compressed or {})
         self.buckets = []
         self._of = {}
-        groups = _split(list(members.items()), transport.num_servers)
-        for group, wire_key in zip(groups, transport.keys.fused(len(groups))):
-            bucket = Bucket(dict(group), wire_key, make_buffer)
-            transport.declare(wire_key, bucket.grad_buf)
+        groups = [(g, None) for g in _split(list(members.items()), transport.num_servers)]
+        groups += [(g, make_codec) for g in _runs(list((compressed or {}).items()), limit)]
+        for (group, make), wire_key in zip(groups, transport.keys.fused(len(groups))):
+            codec = make(wire_key) if make is not None else None
+            bucket = Bucket(dict(group), wire_key, make_buffer, codec,
+                            transport.num_workers if codec is not None else 1)
+            if codec is None:
+                transport.declare(wire_key, bucket.grad_buf)
+            else:
+                bucket.rounds[0].key = wire_key
+                transport.declare(wire_key, bucket.rounds[0].send)
             self.buckets.append(bucket)
             for key, _ in group:
                 self._of[key] = bucket
@@ -116,6 +145,19 @@ class FusedRoute:
     def partial(self):
         """Buckets holding some but not all of their members' pushes."""
         return [b for b in self.buckets if b.pending]
+
+
+def _runs(items, limit):
+    """Runs of consecutive (key, KeyBuffers) of at most `limit` bytes, of two keys or more."""
+    runs, current, size = [], [], 0
+    for key, b in items:
+        if current and size + b.nbytes > limit:
+            runs.append(current)
+            current, size = [], 0
+        current.append((key, b))
+        size += b.nbytes
+    runs.append(current)
+    return [r for r in runs if len(r) > 1]
 
 
 def _split(items, parts):
@@ -197,7 +239,12 @@ class Planner:
         the encoder waits for it and skips its own pass over the gradient (GradCheck).
         """
         return (b.device is None and self.cttab.phase != "warmup"
-                and self.compressed(b, step))
+                and self.compressed(b, step) and not self._in_compressed_bucket(b))
+
+    def _in_compressed_bucket(self, b):
+        return self.fused is not None and any(
+            m is b for bucket in self.fused.buckets if bucket.codec is not None
+            for m in bucket.members.values())
 
     def label(self, key):
         """How messages name a key: its parameter's name, else 'key 3'."""
@@ -235,14 +282,39 @@ class Planner:
         return self.fused.bucket(key) if key in self.fused else None
 
     def _build_fused(self):
-        """Collect every full-precision key into buckets (collective: declares wire keys)."""
+        """Collect every full-precision key, and the compressed keys below the fuse limit,
+        into buckets (collective: declares wire keys)."""
         members = {k: self.keys[k] for k in self.full_precision_keys()}
-        for key in members:  # no transfer still reads a member's old buffers
+        limit = self.fuse_limit()
+        small = {k: b for k, b in self.keys.items() if k not in members and self.steps[k] > 0
+                 and b.codec is not None and b.device is None and b.nbytes < limit
+                 and b.codec.rounds == 1 and b.rounds[0].route == "sum"}
+        for key in list(members) + list(small):  # no transfer still reads their buffers
             self._wait_version(key, self.steps[key])
-        route = FusedRoute(members, self.transport, self._make_buffer)
-        log.info("slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes",
-                 len(members), len(route.buckets), [b.nbytes for b in route.buckets])
+
+        def make_codec(wire_key):
+            codec = self.codec.clone()
+            codec.seed = key_seed(self.config.seed, wire_key)
+            return codec
+
+        route = FusedRoute(members, self.transport, self._make_buffer, small, limit,
+                           make_codec)
+        self.fused = route
+        self._apply_bucket_state()
+        log.info("slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes; "
+                 "%d compressed keys below %d bytes into %d", len(members),
+                 sum(b.codec is None for b in route.buckets),
+                 [b.nbytes for b in route.buckets if b.codec is None],
+                 sum(len(b.members) for b in route.buckets if b.codec is not None), limit,
+                 sum(b.codec is not None for b in route.buckets))
         return route
+
+    def fuse_limit(self):
+        """Bytes below which a compressed key goes into a compressed bucket (0: none)."""
+        option = self.config.fuse_compressed
+        if option is False or option == "off" or self.codec is None or not self.config.offload:
+            return 0
+        return self.cttab.fuse_limit() if option == "auto" else int(option)
 
     def full_precision_keys(self):
         """Keys pushed so far that the CTTab routes to full precision, in key order."""
@@ -258,7 +330,7 @@ class Planner:
     def refuse_stale_buckets(self):
         """After a checkpoint with another BestCT: rebuild the buckets (new wire keys)."""
         if self.fused is not None and self.fused.keys != self.full_precision_keys():
-            self.fused = None
+            self.fused = None  # (compressed buckets are rebuilt with it)
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self):
@@ -270,6 +342,30 @@ class Planner:
                         "residual": b.residual.for_read().copy() if compressed else None,
                         "codec": b.codec.state_dict() if compressed else None}
         return out
+
+    def bucket_state(self):
+        """The codec states of the compressed buckets, in order (checkpoints)."""
+        if self.fused is None:
+            return []
+        return [b.codec.state_dict() for b in self.fused.buckets if b.codec is not None]
+
+    def load_bucket_state(self, states):
+        """Restore bucket_state(), now or when the buckets are built."""
+        self._bucket_states = list(states)
+        self._apply_bucket_state()
+
+    def _apply_bucket_state(self):
+        states = getattr(self, "_bucket_states", None)
+        if not states or self.fused is None:
+            return
+        codecs = [b.codec for b in self.fused.buckets if b.codec is not None]
+        if len(codecs) != len(states):
+            raise ValueError("the checkpoint holds %d compressed buckets, this job builds %d: "
+                             "resume with the same fuse_compressed and threshold table"
+                             % (len(states), len(codecs)))
+        for codec, state in zip(codecs, states):
+            codec.load_state_dict(state)
+        self._bucket_states = None
 
     def load_state_dict(self, state):
         for key, ks in state.items():

@@ -158,6 +158,25 @@ class CTTab:
         log.info("CTTab: BestCT = %s: %s\n%s", format_bytes(best_ct), self.reason,
                  self.format_table())
 
+    def fuse_limit(self):
+        """Bytes below which a compressed tensor's fixed costs (the link's latency and the
+        codec's per-call time) exceed what its bytes cost, from the table's fits: such
+        tensors pay less fused (Cupcake). 0 without a table."""
+        rows = [r for r in self.rows if r.get("wire_q")]
+        if len(rows) < 2 or self.link is None:
+            return 0
+        sizes = [float(r["size"]) for r in rows]
+        procs = [float(r["t_p_q"]) for r in rows]
+        mean_s, mean_p = sum(sizes) / len(sizes), sum(procs) / len(procs)
+        var = sum((s - mean_s) ** 2 for s in sizes)
+        per_byte = max(0.0, sum((s - mean_s) * (p - mean_p) for s, p in zip(sizes, procs))
+                       / var) if var else 0.0
+        fixed = self.link["latency_s"] + max(0.0, mean_p - per_byte * mean_s)
+        ratio = sorted(r["wire_q"] / r["size"] for r in rows)[len(rows) // 2]
+        bandwidth = self.link["bandwidth_Bps"]
+        variable = per_byte + (0.0 if bandwidth == NEVER else ratio / bandwidth)
+        return int(fixed / variable) if variable > 0 else 0
+
     def explain(self):
         """Why BestCT is what it is, in one sentence, from the table and the rule."""
         if not self.rows:

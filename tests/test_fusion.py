@@ -220,3 +220,52 @@ def test_loading_a_checkpoint_with_another_threshold_rebuilds_the_buckets(tmp_pa
     for a, b in zip(expected, th.weights(net)):
         np.testing.assert_array_equal(a, b)
     kv.close()
+
+
+@pytest.mark.parametrize("backup", [True, False])
+def test_compressed_buckets_give_2bit_the_same_weights_with_fewer_transfers(backup):
+    """2bit levels and residuals are per element, so small compressed keys fused into one
+    bucket (one codec, one set of lanes) train exactly as key by key, in fewer transfers."""
+    batches = th.batches(10)
+    runs = {fc: th.slimgc_workers(2, _net, batches, compressor="2bit", threshold=0.01,
+                                  backup=backup, comm_threshold=0, warmup_steps=2, timeout=30,
+                                  fuse_compressed=fc)
+            for fc in ("off", 100_000)}
+    (w_fused, s_fused), (w_fused1, _) = runs[100_000]
+    (w_keys, s_keys), _ = runs["off"]
+    for a, b, c in zip(w_fused, w_fused1, w_keys):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert s_keys["transfers"] == 60 and s_fused["transfers"] == 6 + 9  # one bucket per step
+    assert s_fused["compressed_transfers"] == s_fused["transfers"]
+
+
+def test_a_checkpoint_carries_the_compressed_buckets_codec_state(tmp_path):
+    """1bit's scale lives in the bucket's codec: a resumed job continues bitwise."""
+    batches = th.batches(12, seed=4)
+    states = str(tmp_path / "b.states")
+
+    def make():
+        net = _net(prefix="cb_")
+        kv = SlimGC(compressor="1bit", backup=True, comm_threshold=0, timeout=30,
+                    fuse_compressed=100_000)
+        return net, kv, gluon.Trainer(net.collect_params(), "sgd",
+                                      {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+
+    net, kv, trainer = make()
+    th.train(trainer, net, batches[:6])
+    trainer.save_states(states)
+    net.save_parameters(str(tmp_path / "b.params"))
+    th.train(trainer, net, batches[6:])
+    slimgc_mx.flush(trainer)
+    expected = th.weights(net)
+    assert kv.stats()["fused_buckets"] == 1
+    kv.close()
+    net, kv, trainer = make()  # a new job: its bucket is built after the checkpoint is read
+    net.load_parameters(str(tmp_path / "b.params"))
+    trainer.load_states(states)
+    th.train(trainer, net, batches[6:])
+    slimgc_mx.flush(trainer)
+    for a, b in zip(expected, th.weights(net)):
+        np.testing.assert_array_equal(a, b)
+    kv.close()
