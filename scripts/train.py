@@ -30,10 +30,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import slimgc_mx  # noqa: E402  (registers the kvstore; imports nothing else)
+from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.bench import datasets, models  # noqa: E402
 
 KVSTORES = ("slimgc", "dist_sync", "local")
-COMPRESSORS = ("none", "1bit", "2bit", "4bit")
+COMPRESSORS = tuple(codecs.available())
 
 
 def comm_threshold(text):
@@ -75,6 +76,9 @@ def build_parser():
                         "(dist_sync hands it to MXNet's own gradient compression)")
     g.add_argument("--threshold", type=float, default=0.5,
                    help="compressor threshold (quantization level scale)")
+    g.add_argument("--codec-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="slimgc: an option of the codec (docs/codecs.md), e.g. ratio=0.1 for "
+                        "topk; repeatable")
     g.add_argument("--comm-threshold", type=comm_threshold, default="auto",
                    metavar="auto|BYTES|off|FILE",
                    help="slimgc: tensors smaller than this go uncompressed; auto = measured "
@@ -139,10 +143,22 @@ def make_kvstore(args):
         return kv, params
     kv = mx.kv.create("slimgc")
     params = {"type": args.compressor, "threshold": args.threshold,
+              **codec_options(args.codec_option),
               "comm_threshold": args.comm_threshold,
               "backup": not args.no_backup, "offload": not args.no_offload,
               "fuse": not args.no_fuse}
     return kv, params
+
+
+def codec_options(items):
+    """{'ratio': '0.1'} from ['ratio=0.1'] (--codec-option), or a usage error."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            sys.exit("--codec-option %r: expected NAME=VALUE, e.g. ratio=0.1" % item)
+        out[name.strip()] = value.strip()
+    return out
 
 
 class PushThenPullTrainer(gluon.Trainer):

@@ -211,3 +211,18 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
     mine = "%s%d-" % (netns.NS_PREFIX, proc.pid)
     left = [ns for ns in netns.list_namespaces() if ns.startswith(mine)]
     assert left == []
+
+
+def test_codec_configurations_cover_every_registered_codec():
+    """CODEC-alone is how the paper ran its baselines; options ride in brackets."""
+    from slimgc_mx import codecs
+    for name in codecs.available():
+        args = cluster.config_args("%s-alone" % name)
+        assert args[args.index("--compressor") + 1] == name
+        assert ["--comm-threshold", "off", "--no-offload", "--no-backup"] == args[-4:]
+        assert cluster.uses_slimgc("%s-alone" % name)
+    args = cluster.config_args("slimgc-terngrad[clip_sigma=2.5]-full")
+    assert args[args.index("--codec-option") + 1] == "clip_sigma=2.5"
+    assert not cluster.uses_slimgc("fp32") and not cluster.uses_slimgc("mxnet-2bit")
+    with pytest.raises(ValueError, match="slimgc-CODEC-STEP and CODEC-alone"):
+        cluster.config_args("slimgc-9bit-full")

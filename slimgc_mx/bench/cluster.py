@@ -23,6 +23,7 @@ from .. import launch
 from ..launch.netns import (DELAY_PATTERN, NODE_IFACE, RATE_PATTERN, NetnsCluster,
                             NetnsRunner, cleanup_stale, netem_available, netns_available,
                             rate_bits)
+from ..codecs import available as available_codecs
 from ..env import LAUNCH_INDEX_VAR, SERVER_ENV, env_count
 
 DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, time "
@@ -43,17 +44,30 @@ def config_args(name: str) -> List[str]:
         return ["--kvstore", "dist_sync", "--compressor", "2bit", "--threshold", "0.5"]
     if name == "no-comm":
         return ["--kvstore", "local"]
-    m = re.fullmatch(r"slimgc-(1bit|2bit|4bit)-(classic|cgopt|offload|full)(-nofuse)?", name)
-    if not m:
-        raise ValueError("unknown configuration %r; valid: %s (a slimgc one may end in "
-                         "-nofuse)" % (name, ", ".join(all_configs())))
-    codec, step, nofuse = m.groups()
+    alone = re.fullmatch(r"([a-z0-9]+)(\[[^\]]*\])?-alone", name)
+    if alone:  # the codec as the paper ran its baselines: everything compressed, no strategy
+        name = "slimgc-%s%s-classic" % (alone.group(1), alone.group(2) or "")
+    m = re.fullmatch(r"slimgc-([a-z0-9]+)(?:\[([^\]]*)\])?-(classic|cgopt|offload|full)"
+                     r"(-nofuse)?", name)
+    if not m or m.group(1) not in available_codecs():
+        raise ValueError("unknown configuration %r; valid: %s, slimgc-CODEC-STEP and CODEC-alone "
+                         "for the codecs %s (options in brackets: slimgc-topk[ratio=0.1]-full; "
+                         "a slimgc one may end in -nofuse)"
+                         % (name, ", ".join(all_configs()), ", ".join(available_codecs())))
+    codec, options, step, nofuse = m.groups()
     args = ["--kvstore", "slimgc", "--compressor", codec, "--threshold", "0.5"]
+    for option in filter(None, (options or "").split(";")):
+        args += ["--codec-option", option]
     args += {"classic": ["--comm-threshold", "off", "--no-offload", "--no-backup"],
              "cgopt": ["--comm-threshold", "auto", "--no-offload", "--no-backup"],
              "offload": ["--comm-threshold", "auto", "--no-backup"],
              "full": ["--comm-threshold", "auto"]}[step]
     return args + (["--no-fuse"] if nofuse else [])
+
+
+def uses_slimgc(name: str) -> bool:
+    """True for a configuration that runs the SlimGC kvstore (its servers need the heap fix)."""
+    return "slimgc" in config_args(name)
 
 
 def all_configs(codecs=CODECS) -> List[str]:
@@ -70,7 +84,7 @@ def parse_configs(text: str, codecs) -> List[str]:
         return all_configs(codecs)
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
-        if re.fullmatch(r"slimgc-(1bit|2bit|4bit)", item):
+        if re.fullmatch(r"slimgc-[a-z0-9]+(\[[^\]]*\])?", item):
             out += ["%s-%s" % (item, a) for a in ABLATIONS]
         else:
             config_args(item)
@@ -276,7 +290,7 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
                           None if build is None else build[1])
     comm = name != "no-comm"
     plan = build_tasks(cluster, opts.workers, opts.servers, command, comm,
-                       stock_servers=not name.startswith("slimgc-"))
+                       stock_servers=not uses_slimgc(name))
     env = {"SLIMGC_WARMUP_STEPS": str(opts.slimgc_warmup)}
     env["OMP_NUM_THREADS"] = str(opts.threads)
     for t in plan:
@@ -517,7 +531,7 @@ def parse_args(argv, prog):
                                or launch.WORKER_ENGINE_THREADS)
     except ValueError as e:
         p.error(str(e))
-    if (opts.mode == "throughput" and any(c.startswith("slimgc") for c in opts.config_list)
+    if (opts.mode == "throughput" and any(uses_slimgc(c) for c in opts.config_list)
             and opts.warmup < opts.slimgc_warmup + 2):
         p.error("--warmup must be at least --slimgc-warmup + 2 so the window starts after the "
                 "threshold table is built")

@@ -68,7 +68,8 @@ def throughput(summary, path):
     names = [r["config"] for r in rows]
     vals = [r["samples_per_s_per_worker"] / base for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
-    colors = ["#888888" if not n.startswith("slimgc") else "#2b6cb0" for n in names]
+    colors = ["#888888" if n in ("fp32", "mxnet-2bit", "no-comm") else "#2b6cb0"
+              for n in names]
     spread = [[r["samples_per_s_per_worker"] - min(r.get("samples_per_s_runs") or [0]),
                max(r.get("samples_per_s_runs") or [0]) - r["samples_per_s_per_worker"]]
               for r in rows]
@@ -227,7 +228,7 @@ def accuracy_markdown(summary):
     for name, runs in by.items():
         accs = [_first_acc(r) for r in runs]
         good = [a for a in accs if a is not None]
-        cts = ["-" if not r["config"].startswith("slimgc") else
+        cts = ["-" if r["config"] in ("fp32", "mxnet-2bit", "no-comm") else
                (_bytes(r["comm_threshold_bytes"]) if r.get("comm_threshold_bytes") is not None
                 else "never" if r.get("comm_threshold_phase") == "trained" else "fixed")
                for r in runs]
