@@ -101,16 +101,24 @@ class Aggregator:
                                                   self.engine)
         return self._local
 
-    def local_state(self):
-        """The local updater's MXNet Updater states, None before its first use."""
-        return self._local.get_states() if self._local is not None else None
+    def optimizer_state(self):
+        """Both updaters' optimizers and states, as data (the local one: None before use)."""
+        return {"global": self.update.state(),
+                "local": self._local.state() if self._local is not None else None}
 
-    def load_optimizer_states(self, global_states, local_states):
-        """Restore both updaters' states; the file may hold the optimizer itself."""
-        self.update.set_states(global_states)
-        self._local = None  # rebuilt around the (possibly new) global optimizer
+    def load_optimizer_state(self, state, where):
+        """Restore optimizer_state() (checkpoint.read has checked what it can before)."""
+        self.update.load_state(state["global"], where)
+        self._local = None  # rebuilt around the restored global optimizer
+        if state["local"] is not None:
+            self.local_updater().load_state(state["local"], where)
+
+    def load_pickled_optimizer_states(self, global_states, local_states):
+        """Restore both updaters from MXNet's pickled states (the old checkpoint format)."""
+        self.update.load_pickled_states(global_states)
+        self._local = None
         if local_states is not None:
-            self.local_updater().set_states(local_states)
+            self.local_updater().load_pickled_states(local_states)
 
     # -- keys ------------------------------------------------------------------------------
     def add_key(self, key, value):

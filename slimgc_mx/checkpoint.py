@@ -1,42 +1,77 @@
-"""The kvstore's checkpoint: composed from each part's own state_dict.
+"""The kvstore's checkpoint: composed from each part's own state, in a data-only file.
 
-Saved: the settings that must agree, the worker count, the global and local optimizer
-states (MXNet Updater format), per key its step, error-feedback residual and codec
-state (planner), glo_buf with version and flag (backup), the CTTab decision, and the
-transfer counters.
+Saved: the settings that must agree, the worker count, the global and local optimizers
+(class, settings, scheduler state, counters) and their per-index states, per key its
+step, error-feedback residual and codec state (planner), the compressed buckets' codec
+states, glo_buf with version and flag (backup), the CTTab decision, and the transfer
+counters. The file is a NumPy archive plus a JSON document (dataio.py): reading it runs
+no code. Every part is checked against this job before any is restored, so a bad file
+changes nothing. The pickles of the first format are read only with
+allow_pickle_checkpoint=True, since loading a pickle runs whatever it says.
 """
 import dataclasses
 import pickle
 
-FORMAT = "slimgc-checkpoint-1"
+import numpy as np
+
+from . import dataio
+
+FORMAT = "slimgc-checkpoint"
+VERSION = 2
+PICKLE_FORMAT = "slimgc-checkpoint-1"
 
 
-def save(fname, agg, dump_optimizer=False):
+def save(fname, agg):
     """Write everything a resumed job needs; the caller has flushed the aggregator."""
-    local = agg.local_state()
-    state = {
+    dataio.write(fname, {
         "format": FORMAT,
+        "version": VERSION,
         "settings": agg.config.agreement_fields(),
         "num_workers": agg.num_workers,
-        "global": agg.update.get_states(dump_optimizer),
-        "local": local,
+        "optimizer": agg.optimizer_state(),
         "keys": agg.planner.state_dict(),
         "buckets": agg.planner.bucket_state(),
         "backup": agg.backup.state_dict(),
         "cttab": agg.cttab.state_dict(),
         "counters": dataclasses.asdict(agg.stats),
-    }
-    with open(fname, "wb") as f:
-        pickle.dump(state, f)
+    })
 
 
 def read(fname, agg):
     """The checkpoint in `fname`, checked against this job; a ValueError says why not."""
-    with open(fname, "rb") as f:
-        state = pickle.load(f)
+    try:
+        state = dataio.read(fname)
+    except dataio.DataFileError as exc:
+        if _is_pickle(fname):
+            return _read_pickle(fname, agg)
+        raise ValueError("%s is not a slimgc checkpoint: %s" % (fname, exc)) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError("%s is not a slimgc checkpoint (format %r); it was not written by "
-                         "SlimGC.save_optimizer_states" % (fname, FORMAT))
+        raise ValueError("%s is a data file but not a slimgc checkpoint (format %r)"
+                         % (fname, state.get("format") if isinstance(state, dict) else None))
+    if state.get("version") != VERSION:
+        raise ValueError("%s is a slimgc checkpoint of version %r; this slimgc_mx reads "
+                         "version %d" % (fname, state.get("version"), VERSION))
+    _check(fname, state, agg)
+    return state
+
+
+def load(state, agg, where="checkpoint"):
+    """Restore every part from a checkpoint read(); the pipeline must be idle."""
+    if state.get("pickled"):
+        agg.load_pickled_optimizer_states(state["global"], state["local"])
+    else:
+        agg.load_optimizer_state(state["optimizer"], where)
+    agg.planner.load_state_dict(state["keys"])
+    agg.backup.load_state_dict(state["backup"])
+    agg.cttab.load_state_dict(state["cttab"])
+    agg.planner.refuse_stale_buckets()
+    agg.planner.load_bucket_state(state.get("buckets", []))
+    for name, value in state["counters"].items():
+        setattr(agg.stats, name, value)
+
+
+def _check(fname, state, agg):
+    """Everything that can be checked before restoring anything."""
     mine = agg.config.agreement_fields()
     for name, value in state["settings"].items():
         if mine.get(name) != value:
@@ -46,18 +81,41 @@ def read(fname, agg):
     if state["num_workers"] != agg.num_workers or set(state["keys"]) != set(keys):
         raise ValueError("checkpoint %s holds %d workers and keys %s; this job has %d "
                          "workers and keys %s" % (fname, state["num_workers"],
-                                                  sorted(state["keys"]), agg.num_workers,
-                                                  sorted(keys)))
+                                                  sorted(map(repr, state["keys"])),
+                                                  agg.num_workers, sorted(map(repr, keys))))
+    for key, b in keys.items():
+        saved, glo = state["keys"][key], state["backup"][key]["glo_buf"]
+        if np.size(glo) != b.size or saved["residual"] is not None and (
+                np.size(saved["residual"]) != b.size):
+            raise ValueError("checkpoint %s: key %r holds %d values, this job's has shape %s: "
+                             "a checkpoint of another model" % (fname, key, np.size(glo),
+                                                                b.shape))
+        if b.codec is not None:
+            b.codec.clone().load_state_dict(saved["codec"])  # raises on another codec's state
+    if not state.get("pickled"):
+        from .update import restore_optimizer, clone_optimizer
+        restore_optimizer(clone_optimizer(agg.update.optimizer),
+                          state["optimizer"]["global"]["optimizer"], "checkpoint %s" % fname)
+
+
+def _is_pickle(fname):
+    with open(fname, "rb") as f:
+        return f.read(1) == b"\x80"
+
+
+def _read_pickle(fname, agg):
+    """A checkpoint of the first format (a pickle), only with the explicit opt-in."""
+    if not agg.config.allow_pickle_checkpoint:
+        raise ValueError(
+            "%s is a slimgc checkpoint of the first format, a pickle: loading it would run "
+            "whatever code it holds. If you trust the file, set allow_pickle_checkpoint=True "
+            "(SLIMGC_ALLOW_PICKLE_CHECKPOINT=1) to read it once, then save it again in the "
+            "data-only format" % fname)
+    with open(fname, "rb") as f:
+        state = pickle.load(f)
+    if not isinstance(state, dict) or state.get("format") != PICKLE_FORMAT:
+        raise ValueError("%s is not a slimgc checkpoint (format %r)"
+                         % (fname, state.get("format") if isinstance(state, dict) else None))
+    state["pickled"] = True
+    _check(fname, state, agg)
     return state
-
-
-def load(state, agg):
-    """Restore every part from a checkpoint read(); the pipeline must be idle."""
-    agg.load_optimizer_states(state["global"], state["local"])
-    agg.planner.load_state_dict(state["keys"])
-    agg.backup.load_state_dict(state["backup"])
-    agg.cttab.load_state_dict(state["cttab"])
-    agg.planner.refuse_stale_buckets()
-    agg.planner.load_bucket_state(state.get("buckets", []))
-    for name, value in state["counters"].items():
-        setattr(agg.stats, name, value)

@@ -19,7 +19,7 @@ from .threshold import check_rule, load_decision
 PIECE_BYTES = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_BOOL_FIELDS = ("backup", "offload", "fuse")
+_BOOL_FIELDS = ("backup", "offload", "fuse", "allow_pickle_checkpoint")
 _WARNED = set()  # SLIMGC_* variables already warned about
 
 
@@ -50,6 +50,8 @@ class SlimGCConfig:
     num_threads     CPU threads of the codecs and the SGD kernel (default: all cores)
     timeout         seconds the training thread waits for one aggregation before it raises
     audit_every     compare global-weight checksums across workers every K steps (0: off)
+    allow_pickle_checkpoint  read checkpoints of the first format, pickles (which can run
+                    code when loaded); off: only the data-only format is read
     piece_bytes     dist transport: buffers larger than this go as pieces of this many bytes,
                     so the sums of the first pieces come back while later ones are pushed (0: whole)
     """
@@ -71,6 +73,7 @@ class SlimGCConfig:
     num_threads: Optional[int] = None
     timeout: float = 600.0
     audit_every: int = 0
+    allow_pickle_checkpoint: bool = False
     piece_bytes: int = PIECE_BYTES
 
     def __post_init__(self):

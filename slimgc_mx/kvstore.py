@@ -180,12 +180,13 @@ class SlimGC(KVStoreBase):
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        """Save everything a resumed job needs (Trainer.save_states calls this).
+        """Save everything a resumed job needs (Trainer.save_states calls this), as data.
 
-        Flushes first, so the parameters hold the global weights (save them too).
+        Flushes first, so the parameters hold the global weights (save them too). The
+        optimizer's settings and state are always saved (dump_optimizer is implied).
         """
         self.flush()
-        checkpoint.save(fname, self._agg, dump_optimizer)
+        checkpoint.save(fname, self._agg)
 
     def load_optimizer_states(self, fname):
         """Restore a file written by save_optimizer_states (Trainer.load_states calls this)."""

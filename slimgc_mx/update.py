@@ -10,6 +10,7 @@ import copy
 from dataclasses import dataclass
 
 import mxnet as mx
+import numpy as np
 
 from . import sgd
 from .transport import copy_array
@@ -63,6 +64,78 @@ def optimizer_settings(opt):
     if any(lr != 1.0 or wd != 1.0 for _, lr, wd in mults):
         out["lr_mult, wd_mult"] = mults
     return out
+
+
+def optimizer_state(opt):
+    """What a resumed job needs of an optimizer, as data: its class, plain settings, its lr
+    scheduler's class and plain state, and its update counters."""
+    sched = getattr(opt, "lr_scheduler", None)
+    return {"class": _class_name(opt),
+            "attributes": {k: v for k, v in vars(opt).items()
+                           if k not in _NOT_SETTINGS and isinstance(v, _PLAIN)},
+            "scheduler": None if sched is None else {
+                "class": _class_name(sched),
+                "attributes": {k: (list(v) if isinstance(v, tuple) else v)
+                               for k, v in vars(sched).items() if isinstance(v, _PLAIN)
+                               or isinstance(v, (list, tuple))
+                               and all(isinstance(x, _PLAIN) for x in v)}},
+            "counters": {"num_update": opt.num_update, "begin_num_update": opt.begin_num_update,
+                         "index_update_count": dict(opt._index_update_count)}}
+
+
+def restore_optimizer(opt, state, where):
+    """Put optimizer_state() back into `opt`, which must be of the same class (and its
+    scheduler too); a ValueError names what differs."""
+    for obj, data, what in ((opt, state, "optimizer"),
+                            (getattr(opt, "lr_scheduler", None), state["scheduler"],
+                             "lr scheduler")):
+        if (obj is None) != (data is None) or obj is not None and _class_name(obj) != data["class"]:
+            raise ValueError("%s holds the %s %s, this job has %s; create the same %s as the "
+                             "job that saved it" % (where, what, data and data["class"],
+                                                    obj is not None and _class_name(obj), what))
+    for name, value in state["attributes"].items():
+        setattr(opt, name, value)
+    if state["scheduler"] is not None:
+        for name, value in state["scheduler"]["attributes"].items():
+            setattr(opt.lr_scheduler, name, value)
+    counters = state["counters"]
+    opt.num_update, opt.begin_num_update = counters["num_update"], counters["begin_num_update"]
+    opt._index_update_count.clear()
+    opt._index_update_count.update(counters["index_update_count"])
+
+
+def _class_name(obj):
+    return "%s.%s" % (type(obj).__module__, type(obj).__name__)
+
+
+def updater_states(updater):
+    """{index: state} of an MXNet Updater as NumPy arrays (tuples kept as {'tuple': [...]})."""
+    return {index: _state_data(state) for index, state in updater.states.items()}
+
+
+def set_updater_states(updater, states):
+    """Put updater_states() back; MXNet moves them to the weights' context when it uses them."""
+    updater.states = {index: _state_array(state) for index, state in states.items()}
+    updater.states_synced = dict.fromkeys(updater.states, False)
+
+
+def _state_data(state):
+    if isinstance(state, mx.nd.NDArray):
+        return state.asnumpy()
+    if isinstance(state, (list, tuple)):
+        items = [_state_data(s) for s in state]
+        return {"tuple": items} if isinstance(state, tuple) else items
+    return state
+
+
+def _state_array(state):
+    if isinstance(state, np.ndarray):
+        return mx.nd.array(state, dtype=state.dtype)
+    if isinstance(state, dict) and "tuple" in state:
+        return tuple(_state_array(s) for s in state["tuple"])
+    if isinstance(state, list):
+        return [_state_array(s) for s in state]
+    return state
 
 
 def check_loc_optimizer(name):
@@ -147,20 +220,26 @@ class GlobalUpdate:
             self.updater(indices, [p.buffers.agg.nd for p in transfer.pushes],
                          [g.nd for g in glos])
 
-    def get_states(self, dump_optimizer):
-        return self.updater.get_states(dump_optimizer)
+    def state(self):
+        """The optimizer (as it drives the updates) and its per-index states, as data."""
+        return {"optimizer": optimizer_state(self.updater.optimizer),
+                "states": updater_states(self.updater)}
 
-    def set_states(self, states):
-        """Load MXNet Updater states; returns the optimizer the file held, or None."""
+    def load_state(self, state, where):
+        """Restore state(): into the trainer-facing optimizer, which a fresh clone drives."""
+        restore_optimizer(self.optimizer, state["optimizer"], where)
+        self.updater.optimizer = clone_optimizer(self.optimizer)
+        set_updater_states(self.updater, state["states"])
+        self.kernel = self._kernel()  # takes the loaded momentum at its first use
+
+    def load_pickled_states(self, states):
+        """Load MXNet's own pickled Updater states (a checkpoint of the old format)."""
         self.updater.set_states(states)
         loaded = self.updater.optimizer
-        if loaded is self.optimizer:
-            held = None
-        else:  # the file held the optimizer itself: it becomes the trainer-facing one
-            self.optimizer = held = loaded
+        if loaded is not self.optimizer:  # the file held the optimizer itself
+            self.optimizer = loaded
             self.updater.optimizer = clone_optimizer(loaded)
-        self.kernel = self._kernel()  # takes the loaded momentum at its first use
-        return held
+        self.kernel = self._kernel()
 
 
 class LocalUpdater:
@@ -233,10 +312,15 @@ class LocalUpdater:
         copy_array(glo.nd, out.nd)
         self._updater(index, grad.nd, out.nd)
 
-    def get_states(self):
-        return self._updater.get_states(True)
+    def state(self):
+        return {"optimizer": optimizer_state(self.optimizer),
+                "states": updater_states(self._updater)}
 
-    def set_states(self, states):
+    def load_state(self, state, where):
+        restore_optimizer(self.optimizer, state["optimizer"], where)
+        set_updater_states(self._updater, state["states"])
+
+    def load_pickled_states(self, states):
         self._updater.set_states(states)
         self.optimizer = self._updater.optimizer
 
