@@ -128,14 +128,14 @@ def check_error_feedback_identity(name, size=4097, steps=4, options=None):
     """One worker: g + r_before == decoded + r_after, up to the float32 roundings of
     c = g + r and c - x (the seam of codecs/feedback.py)."""
     options = options or {}
-    for step, h in enumerate(run_steps(name, 1, size, steps, options, seed=4)):
-        before = np.zeros(size, np.float32) if step == 0 else prev
+    history = run_steps(name, 1, size, steps, options, seed=4)
+    for step, h in enumerate(history):
+        before = history[step - 1]["residuals"][0] if step else np.zeros(size, np.float32)
         c32 = h["grads"][0] + before
         lhs = h["grads"][0].astype(np.float64) + before
         rhs = h["decoded"][0].astype(np.float64) + h["residuals"][0]
         tol = np.spacing(np.abs(c32)) / 2 + np.spacing(np.abs(h["residuals"][0])) / 2
         assert np.all(np.abs(lhs - rhs) <= tol), "step %d" % step
-        prev = h["residuals"][0]
 
 
 def check_unbiased(name, state, variance, size=2000, draws=400, options=None,
