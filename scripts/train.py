@@ -30,6 +30,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import slimgc_mx  # noqa: E402  (registers the kvstore; imports nothing else)
+import slimgc_mx.resume  # noqa: E402
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.bench import datasets, models  # noqa: E402
 
@@ -115,6 +116,12 @@ def build_parser():
                    help="initial weights (same on all workers), shards and shuffling")
     g.add_argument("--steps", type=positive_int, default=None,
                    help="cap on steps per epoch (throughput runs)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write checkpoints here and, on start, resume from the newest "
+                        "complete one (each rank writes its part; the last two are kept)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=100, metavar="STEPS",
+                   help="with --checkpoint-dir: a checkpoint every this many steps")
     g = p.add_argument_group("output")
     g.add_argument("--warmup-steps", type=int, default=10,
                    help="steps left out of the median per-step throughput")
@@ -122,6 +129,9 @@ def build_parser():
                    help="write the result here (rank 0); with several workers every rank "
                         "also writes FILE-stem.rankN.json")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--log-every", type=positive_int, default=None, metavar="STEPS",
+                   help="rank 0 prints a line every this many steps (step, epoch, loss): "
+                        "progress in logs, where the bar is not shown")
     g.add_argument("--no-hybridize", action="store_true", help="run the model imperatively")
     return p
 
@@ -300,13 +310,29 @@ def main(argv=None, on_step=None):
 
     history, step_times = [], []
     train_time = 0.0
-    for epoch in range(1, args.epochs + 1):
+    start_epoch, start_step, global_step, loss_sum = 1, 0, 0, 0.0
+    ckpt = None
+    if args.checkpoint_dir:
+        ckpt = slimgc_mx.resume.JobCheckpoints(args.checkpoint_dir, rank, num_workers)
+        position = ckpt.restore(trainer, net)
+        if position is not None:
+            start_epoch, start_step = position["epoch"], position["next_step"]
+            global_step, loss_sum = position["step"], position["loss_sum"]
+            history = position["history"]
+            if is_root:
+                print("resumed from %s: epoch %d, step %d of %d (%d steps done)"
+                      % (position["path"], start_epoch, start_step, steps, global_step),
+                      flush=True)
+    for epoch in range(start_epoch, args.epochs + 1):
         rng = np.random.default_rng([args.seed, rank, epoch])
         order = rng.permutation(len(data.y_train))
-        bar = progress_bar(steps, "epoch %d/%d" % (epoch, args.epochs), show_bar)
-        loss_sum = 0.0
+        first = start_step if epoch == start_epoch else 0
+        bar = progress_bar(steps - first, "epoch %d/%d" % (epoch, args.epochs), show_bar)
+        loss_sum = loss_sum if epoch == start_epoch else 0.0
         t0 = prev = time.perf_counter()
-        for s in range(steps):
+        for s in range(first, steps):
+            if ckpt is not None:  # dropout masks depend on the step alone: a resumed job
+                mx.random.seed(args.seed * 1000003 + rank * 1009 + global_step)  # draws alike
             idx = order[s * args.batch_size:(s + 1) * args.batch_size]
             xb = mx.nd.array(data.x_train[idx], ctx=ctx)
             yb = mx.nd.array(data.y_train[idx], ctx=ctx)
@@ -320,6 +346,15 @@ def main(argv=None, on_step=None):
             if not np.isfinite(lval):
                 sys.exit("loss became %r at epoch %d step %d" % (lval, epoch, s + 1))
             loss_sum += lval
+            global_step += 1
+            if is_root and args.log_every and global_step % args.log_every == 0:
+                print("step %d  epoch %d  loss %.4f" % (global_step, epoch, lval), flush=True)
+            if ckpt is not None and global_step % args.checkpoint_every == 0:
+                path = ckpt.save(global_step, trainer, net, {"epoch": epoch, "next_step": s + 1,
+                                                             "loss_sum": loss_sum,
+                                                             "history": history})
+                if is_root and bar is None:
+                    print("checkpoint %s written" % path, flush=True)
             now = time.perf_counter()
             step_times.append(now - prev)
             prev = now
@@ -333,7 +368,8 @@ def main(argv=None, on_step=None):
         slimgc_mx.flush(trainer)  # evaluate the global weights (with backup on, the
         acc = evaluate(net, data.x_test, data.y_test)  # parameters hold this worker's loc_buf)
         rec = {"epoch": epoch, "train_loss": loss_sum / steps, "test_acc": acc,
-               "samples_per_s": steps * global_batch / epoch_time, "time_s": epoch_time,
+               "samples_per_s": (steps - first) * global_batch / max(epoch_time, 1e-9),
+               "time_s": epoch_time,
                "steps": steps}
         history.append(rec)
         if is_root:
@@ -365,8 +401,9 @@ def main(argv=None, on_step=None):
         "global_batch": global_batch,
         "history": history,
         "final_test_acc": final_acc,
-        # After flush(): equal on every worker when the global weights agree bit for bit.
-        "global_weights_sha256": digest.hexdigest(),
+        # The final global weights: equal on every worker, and equal between runs that
+        # trained alike (a resumed run and an uninterrupted one included).
+        "weights_sha256": digest.hexdigest(),
         # Global samples (all workers) per second, measured on this rank.
         "samples_per_s": {"median_step": global_batch / med_step if med_step > 0 else None,
                           "overall": total_steps * global_batch / train_time if train_time else None,

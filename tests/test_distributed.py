@@ -119,7 +119,7 @@ def test_train_script_mnist1d_cnn_2bit_backup_reaches_90_percent(tmp_path):
                    str(out / "result.json")], 900)
     results = [json.loads((out / ("result.rank%d.json" % r)).read_text()) for r in range(2)]
     assert results[0]["final_test_acc"] >= 0.90, results[0]["history"]
-    assert results[0]["global_weights_sha256"] == results[1]["global_weights_sha256"]
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
     stats = results[0]["kvstore_stats"]
     assert stats["comm_threshold_bytes"] == 4000
     assert stats["bytes_pushed"] < 0.2 * stats["bytes_fp32"]  # the large tensors went as 2bit

@@ -40,6 +40,14 @@ elif mode == "exit7":
         time.sleep(0.3)
         sys.exit(7 if idx == 1 else 0)
     time.sleep(60)
+elif mode == "flaky":  # worker 1 fails its first int(argv[3]) attempts with status 5
+    if role == "worker" and idx == 1:
+        with open(os.path.join(outdir, "attempts"), "a") as f:
+            f.write("x")
+        with open(os.path.join(outdir, "attempts")) as f:
+            sys.exit(5 if len(f.read()) <= int(sys.argv[3]) else 0)
+    if role != "worker":
+        time.sleep(60)
 elif mode == "linger":
     if role != "worker":
         time.sleep(60)
@@ -282,8 +290,38 @@ def test_sigkilled_worker_stops_whole_job(job):
     assert_all_gone(job.out)
 
 
-def test_sigint_to_launcher_tears_down(job):
-    p = job.start(["-n", "1", "-s", "1", "--kill-grace", "1"], job.cmd("hang"))
+def test_max_restarts_starts_the_whole_job_again_until_it_succeeds(job):
+    code, _, stderr = job.run(["-n", "2", "-s", "1", "--kill-grace", "1", "--linger", "0.2",
+                               "--max-restarts", "2"], job.cmd("flaky", 2), timeout=60)
+    assert code == 0, stderr
+    assert (job.out / "attempts").read_text() == "xxx"
+    for i in (1, 2):
+        assert "restart %d of 2 after worker 1 exited with code 5" % i in stderr
+    ports = [line.rsplit(":", 1)[1].split()[0] for line in stderr.splitlines()
+             if "scheduler at" in line]
+    assert len(ports) == 3 and len(set(ports)) == 3, ports  # a fresh port every attempt
+    assert "(attempt 3 of 3)" in stderr
+    assert_all_gone(job.out)
+
+
+def test_max_restarts_exhausted_exits_with_the_last_attempts_status(job):
+    code, _, stderr = job.run(["-n", "2", "-s", "1", "--kill-grace", "1",
+                               "--max-restarts", "1"], job.cmd("flaky", 5), timeout=60)
+    assert code == 5, stderr
+    assert (job.out / "attempts").read_text() == "xx"
+    assert "restart 1 of 1 after worker 1" in stderr and "restart 2" not in stderr
+    assert_all_gone(job.out)
+
+
+def test_max_restarts_must_not_be_negative(job):
+    code, _, stderr = job.run(["--max-restarts", "-1", "-n", "1"], job.cmd("env"))
+    assert code == 2 and "--max-restarts must be >= 0" in stderr
+
+
+@pytest.mark.parametrize("restarts", ["0", "2"])  # a launcher told to stop does not restart
+def test_sigint_to_launcher_tears_down(job, restarts):
+    p = job.start(["-n", "1", "-s", "1", "--kill-grace", "1", "--max-restarts", restarts],
+                  job.cmd("hang"))
     try:
         wait_for_pids(job.out, 6, p)
         p.send_signal(signal.SIGINT)
@@ -292,6 +330,7 @@ def test_sigint_to_launcher_tears_down(job):
         if p.poll() is None:
             p.kill()
     assert p.returncode == 128 + signal.SIGINT, stderr
+    assert "restart" not in stderr
     assert_all_gone(job.out)
 
 

@@ -9,6 +9,7 @@ import sys
 SUBCOMMANDS = {
     "codecs": "slimgc_mx.bench.codecs",
     "cluster": "slimgc_mx.bench.cluster",
+    "faults": "slimgc_mx.bench.faults",
 }
 
 PROG = "python -m slimgc_mx.bench"

@@ -8,8 +8,8 @@ from typing import List, Optional
 
 from ..env import SERVER_ENV_TEXT, SSH_VAR
 from . import netns
-from .job import LaunchedJob
-from .plan import LaunchError, StartError, build_plan, plural
+from .job import LaunchedJob, describe_status
+from .plan import LaunchError, StartError, build_plan, plan_again, plural
 
 log = logging.getLogger("slimgc_mx.launch")
 
@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-grace", type=float, default=DEFAULT_KILL_GRACE,
                    help="seconds between SIGTERM and SIGKILL when stopping processes "
                         "(default: %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="when a process dies or fails, stop the job and start it again, up to "
+                        "K times; the training script resumes from its checkpoints (scripts/"
+                        "train.py --checkpoint-dir). Exit status: the last attempt's "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="launcher log level (default: %(default)s)")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -117,19 +122,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv, parser)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="[launcher] %(levelname)s %(message)s")
+    if args.max_restarts < 0:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: --max-restarts must be >= 0", file=sys.stderr)
+        return USAGE_ERROR
     try:
         with contextlib.ExitStack() as stack:
             cluster = None
             if args.launcher == "netns":
                 cluster = stack.enter_context(netns.cluster_for(args))
             plan = build_plan(args, cluster)
-            cwd = args.remote_dir if args.launcher == "ssh" else os.getcwd()
-            job = LaunchedJob(plan, args.command, cwd, args.linger, args.kill_grace)
-            log.info("%s launcher: 1 scheduler, %s, %s%s; scheduler at %s:%s", args.launcher,
-                     plural(args.num_servers, "server"), plural(args.num_workers, "worker"),
-                     netns.describe_links(args) if cluster else "",
-                     plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"])
-            return job.run()
+            for attempt in range(args.max_restarts + 1):
+                if attempt:
+                    plan = plan_again(plan, args.port)
+                cwd = args.remote_dir if args.launcher == "ssh" else os.getcwd()
+                job = LaunchedJob(plan, args.command, cwd, args.linger, args.kill_grace)
+                log.info("%s launcher: 1 scheduler, %s, %s%s; scheduler at %s:%s%s",
+                         args.launcher, plural(args.num_servers, "server"),
+                         plural(args.num_workers, "worker"),
+                         netns.describe_links(args) if cluster else "",
+                         plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"],
+                         " (attempt %d of %d)" % (attempt + 1, args.max_restarts + 1)
+                         if args.max_restarts else "")
+                status = job.run()
+                if status == 0 or job.failed is None or attempt == args.max_restarts:
+                    return status
+                log.warning("restart %d of %d after %s %s: every process starts again (a "
+                            "training script with checkpoints resumes from its newest one)",
+                            attempt + 1, args.max_restarts, job.failed.label,
+                            describe_status(job.failed.status))
     except StartError as e:
         log.error("%s", e)
         return 127

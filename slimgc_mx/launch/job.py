@@ -102,6 +102,8 @@ class LaunchedJob:
         self.plan, self.command, self.cwd = plan, command, cwd
         self.linger, self.kill_grace = linger, kill_grace
         self.out_lock = threading.Lock()
+        self.failed = None  # the task whose failure ended the job, if one did
+        self.interrupted = False  # the launcher itself got a signal
 
     def _forward(self, task: Task, stream, sink, terminal: bool):
         """Copy one child stream to our own, line by line, each line prefixed with its task.
@@ -181,6 +183,7 @@ class LaunchedJob:
         while True:
             failed = self._poll()
             if failed is not None:
+                self.failed = failed
                 log.error("%s %s; stopping the job", failed.label, describe_status(failed.status))
                 return exit_code(failed.status)
             if all(t.status is not None for t in workers):
@@ -262,6 +265,7 @@ class LaunchedJob:
             self._start_all()
             return self._wait()
         except _Interrupted as e:
+            self.interrupted = True
             log.error("launcher got %s; stopping the job", signal.Signals(e.signum).name)
             return 128 + e.signum
         finally:

@@ -245,3 +245,16 @@ def build_plan(args, cluster=None) -> List[Task]:
     plan += [task("server", i, node_of(i), runner) for i in range(args.num_servers)]
     plan += [task("worker", i, node_of(args.num_servers + i), runner) for i in range(args.num_workers)]
     return plan
+
+
+def plan_again(plan: List[Task], fixed_port: Optional[int]) -> List[Task]:
+    """The same job with fresh tasks, for a restart: a new free scheduler port (the old one
+    may linger in TIME_WAIT), or `fixed_port` (--port) again, checked when it is bound here."""
+    if fixed_port:
+        if isinstance(plan[0].runner, LocalRunner):
+            check_port(fixed_port)
+        port = fixed_port
+    else:
+        port = free_port()
+    return [Task(t.role, t.index, t.node, t.runner, {**t.env, "DMLC_PS_ROOT_PORT": str(port)})
+            for t in plan]
