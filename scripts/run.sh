@@ -37,6 +37,27 @@ setup() {
     "$VENV/bin/python" setup.py -q build_ext --inplace >/dev/null
 }
 
+# System tools of the multi-host test (tests/test_ssh_hosts.py): OpenSSH's server and
+# client, iproute2. Installed only as root with apt-get; otherwise that test is skipped.
+system_tools() {
+    if [ -x /usr/sbin/sshd ] && command -v ssh >/dev/null && command -v ip >/dev/null; then
+        return
+    fi
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        log "openssh-server/iproute2 missing and not root on apt: the multi-host ssh test is skipped"
+        return
+    fi
+    log "installing openssh-server, openssh-client, iproute2 (the multi-host ssh test)"
+    local pkgs=(openssh-server openssh-client iproute2)
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+            "${pkgs[@]}" >/dev/null 2>&1; then
+        apt-get update -q >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+            "${pkgs[@]}" >/dev/null 2>&1 \
+            || log "could not install ${pkgs[*]}: the multi-host ssh test is skipped"
+    fi
+}
+
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -44,6 +65,7 @@ case "$cmd" in
         setup ;;
     test)
         setup
+        system_tools
         [ $# -eq 0 ] && set -- tests
         exec "$VENV/bin/python" -m pytest -q "$@" ;;
     train)

@@ -119,7 +119,8 @@ def build_parser():
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write checkpoints here and, on start, resume from the newest "
-                        "complete one (each rank writes its part; the last two are kept)")
+                        "complete one (each rank writes its part; the last two are kept); "
+                        "one directory every worker sees")
     g.add_argument("--checkpoint-every", type=positive_int, default=100, metavar="STEPS",
                    help="with --checkpoint-dir: a checkpoint every this many steps")
     g = p.add_argument_group("output")
