@@ -61,25 +61,42 @@ def powersgd_compensate(const float[::1] grad, float[::1] residual, int num_thre
 cdef void _ps_outer_tile(const double* p, const double* qt, float* x, Py_ssize_t rank,
                          Py_ssize_t m, Py_ssize_t j0, Py_ssize_t j1,
                          bint subtract) noexcept nogil:
-    # Columns [j0, j1) of one row: acc = sum_t p[t] * qt[t, j] (t in order); x = acc, or
-    # x = x - acc (both rounded to float32).
+    # Columns [j0, j1) of one row: acc = p[0] q[0, j] + p[1] q[1, j] + ..., added in t
+    # order (up to three terms per pass over the tile); x = acc, or x = x - acc, in float32.
     cdef double acc[PS_TILE]
-    cdef Py_ssize_t j, t, w = j1 - j0
-    cdef double pt = p[0]
-    cdef const double* q = qt + j0
+    cdef Py_ssize_t j, t = 1, w = j1 - j0
+    cdef double a0 = p[0], a1, a2
+    cdef const double* q0 = qt + j0
+    cdef const double* q1
+    cdef const double* q2
     for j in range(w):
-        acc[j] = pt * q[j]
-    for t in range(1, rank):
-        pt = p[t]
-        q = qt + t * m + j0
-        for j in range(w):
-            acc[j] = acc[j] + pt * q[j]
+        acc[j] = a0 * q0[j]
+    while t < rank:
+        a0 = p[t]
+        q0 = qt + t * m + j0
+        if rank - t >= 3:
+            a1, a2 = p[t + 1], p[t + 2]
+            q1, q2 = q0 + m, q0 + 2 * m
+            for j in range(w):
+                acc[j] = ((acc[j] + a0 * q0[j]) + a1 * q1[j]) + a2 * q2[j]
+            t += 3
+        elif rank - t == 2:
+            a1 = p[t + 1]
+            q1 = q0 + m
+            for j in range(w):
+                acc[j] = (acc[j] + a0 * q0[j]) + a1 * q1[j]
+            t += 2
+        else:
+            for j in range(w):
+                acc[j] = acc[j] + a0 * q0[j]
+            t += 1
+    x += j0
     if subtract:
         for j in range(w):
-            x[j0 + j] = x[j0 + j] - <float>acc[j]
+            x[j] = x[j] - <float>acc[j]
     else:
         for j in range(w):
-            x[j0 + j] = <float>acc[j]
+            x[j] = <float>acc[j]
 
 
 def powersgd_outer(float[::1] x, const double[:, ::1] p, const double[:, ::1] qt,
