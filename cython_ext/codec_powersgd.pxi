@@ -3,10 +3,8 @@
 # its reference; these kernels compensate (M = g + r) and expand rank-r outer products
 # x[i, j] = sum_t P[i, t] * Q[j, t] in float64 (float32 products are exact there, so the
 # sum is the same with or without fused multiply-adds), t in order, then rounded to float32.
-# Work items: (row, tile of PS_TILE columns), the same arithmetic whatever thread runs them.
-
-cdef enum:
-    PS_TILE = 512  # columns per work item (a float64 accumulator row on the stack)
+# Work items: (row, tile of SLIMGC_PS_TILE columns), the same arithmetic whatever thread
+# runs them.
 
 
 cdef Py_ssize_t _ps_compensate_chunk(const float* g, float* r, Py_ssize_t e0,
@@ -58,45 +56,57 @@ def powersgd_compensate(const float[::1] grad, float[::1] residual, int num_thre
     return bad, bad_comp
 
 
-cdef void _ps_outer_tile(const double* p, const double* qt, float* x, Py_ssize_t rank,
-                         Py_ssize_t m, Py_ssize_t j0, Py_ssize_t j1,
-                         bint subtract) noexcept nogil:
-    # Columns [j0, j1) of one row: acc = p[0] q[0, j] + p[1] q[1, j] + ..., added in t
-    # order (up to three terms per pass over the tile); x = acc, or x = x - acc, in float32.
-    cdef double acc[PS_TILE]
-    cdef Py_ssize_t j, t = 1, w = j1 - j0
-    cdef double a0 = p[0], a1, a2
-    cdef const double* q0 = qt + j0
-    cdef const double* q1
-    cdef const double* q2
-    for j in range(w):
-        acc[j] = a0 * q0[j]
-    while t < rank:
-        a0 = p[t]
-        q0 = qt + t * m + j0
-        if rank - t >= 3:
-            a1, a2 = p[t + 1], p[t + 2]
-            q1, q2 = q0 + m, q0 + 2 * m
-            for j in range(w):
-                acc[j] = ((acc[j] + a0 * q0[j]) + a1 * q1[j]) + a2 * q2[j]
-            t += 3
-        elif rank - t == 2:
-            a1 = p[t + 1]
-            q1 = q0 + m
-            for j in range(w):
-                acc[j] = (acc[j] + a0 * q0[j]) + a1 * q1[j]
-            t += 2
-        else:
-            for j in range(w):
-                acc[j] = acc[j] + a0 * q0[j]
-            t += 1
-    x += j0
-    if subtract:
-        for j in range(w):
-            x[j] = x[j] - <float>acc[j]
-    else:
-        for j in range(w):
-            x[j] = <float>acc[j]
+cdef extern from *:
+    """
+    /* Columns [j0, j1) of one row: acc = p[0] q[0, j] + p[1] q[1, j] + ..., added in t
+       order (up to three terms per pass over the tile); x = acc, or x = x - acc, in
+       float32. Built twice on x86-64 GCC (AVX2 and the baseline, picked at load time):
+       the products are exact in double, so both give the same bits. */
+    #define SLIMGC_PS_TILE 512  /* columns per work item: a float64 row on the stack */
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+    __attribute__((target_clones("avx2", "default")))
+    #endif
+    static void slimgc_ps_outer_tile(const double* p, const double* qt, float* x,
+                                     Py_ssize_t rank, Py_ssize_t m, Py_ssize_t j0,
+                                     Py_ssize_t j1, int subtract) {
+        double acc[SLIMGC_PS_TILE];
+        Py_ssize_t j, t = 1, w = j1 - j0;
+        double a0 = p[0], a1, a2;
+        const double *q0 = qt + j0, *q1, *q2;
+        for (j = 0; j < w; j++)
+            acc[j] = a0 * q0[j];
+        while (t < rank) {
+            a0 = p[t];
+            q0 = qt + t * m + j0;
+            if (rank - t >= 3) {
+                a1 = p[t + 1]; a2 = p[t + 2]; q1 = q0 + m; q2 = q0 + 2 * m;
+                for (j = 0; j < w; j++)
+                    acc[j] = ((acc[j] + a0 * q0[j]) + a1 * q1[j]) + a2 * q2[j];
+                t += 3;
+            } else if (rank - t == 2) {
+                a1 = p[t + 1]; q1 = q0 + m;
+                for (j = 0; j < w; j++)
+                    acc[j] = (acc[j] + a0 * q0[j]) + a1 * q1[j];
+                t += 2;
+            } else {
+                for (j = 0; j < w; j++)
+                    acc[j] = acc[j] + a0 * q0[j];
+                t += 1;
+            }
+        }
+        x += j0;
+        if (subtract)
+            for (j = 0; j < w; j++)
+                x[j] = x[j] - (float)acc[j];
+        else
+            for (j = 0; j < w; j++)
+                x[j] = (float)acc[j];
+    }
+    """
+    enum: SLIMGC_PS_TILE
+    void slimgc_ps_outer_tile(const double* p, const double* qt, float* x, Py_ssize_t rank,
+                              Py_ssize_t m, Py_ssize_t j0, Py_ssize_t j1,
+                              bint subtract) noexcept nogil
 
 
 def powersgd_outer(float[::1] x, const double[:, ::1] p, const double[:, ::1] qt,
@@ -112,7 +122,7 @@ def powersgd_outer(float[::1] x, const double[:, ::1] p, const double[:, ::1] qt
         return
     if rank < 1:
         raise ValueError("powersgd_outer: rank must be >= 1")
-    cdef Py_ssize_t tiles = _ceil_div(m, PS_TILE)
+    cdef Py_ssize_t tiles = _ceil_div(m, SLIMGC_PS_TILE)
     cdef Py_ssize_t items = n * tiles
     cdef const double* pp = &p[0, 0]
     cdef const double* qq = &qt[0, 0]
@@ -121,5 +131,6 @@ def powersgd_outer(float[::1] x, const double[:, ::1] p, const double[:, ::1] qt
         for item in prange(items, schedule="static", num_threads=_team(num_threads, items)):
             i = item // tiles
             tile = item - i * tiles
-            _ps_outer_tile(pp + i * rank, qq, xx + i * m, rank, m, tile * PS_TILE,
-                           min((tile + 1) * PS_TILE, m), subtract)
+            slimgc_ps_outer_tile(pp + i * rank, qq, xx + i * m, rank, m,
+                                 tile * SLIMGC_PS_TILE, min((tile + 1) * SLIMGC_PS_TILE, m),
+                                 subtract)
