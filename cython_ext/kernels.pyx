@@ -309,6 +309,8 @@ include "codec_1bit.pxi"
 include "codec_2bit.pxi"
 include "codec_4bit.pxi"
 include "codec_terngrad.pxi"
+include "codec_randomk.pxi"
+include "codec_powersgd.pxi"
 
 
 # ---------------------------------------------------------------- decoder

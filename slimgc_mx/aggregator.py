@@ -232,7 +232,7 @@ class Aggregator:
         self.stats.add(transfer)
         b = transfer.buffers
         self.cttab.record(transfer.label, b.nbytes, transfer.compressed, transfer.t_comm,
-                          transfer.t_proc, transfer.wire[1].nbytes)
+                          transfer.t_proc, transfer.wire_bytes)
         published = [(p.key, p.step, p.local) for p in transfer.pushes]
         if transfer.settings is None:
             self.backup.publish(published, partial(_store_sums, transfer))

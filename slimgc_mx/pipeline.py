@@ -87,6 +87,14 @@ class Transfer:
         return b.wire.fp, b.fp_buf, b.agg
 
     @property
+    def wire_bytes(self):
+        """Bytes this transfer sends, every round of its route (the result comes back as
+        many, or N times as many for a gathering round)."""
+        if self.compressed:
+            return sum(r.send.nbytes for r in self.buffers.rounds)
+        return self.buffers.fp_buf.nbytes
+
+    @property
     def gathers(self):
         """True when this round's result is every worker's slot side by side, not a sum."""
         return self.compressed and self.buffers.rounds[self.round].route == "gather"
@@ -214,15 +222,22 @@ class Pipeline:
             t.t_proc += time.perf_counter() - t0
 
     def _communicate(self, t):
-        wire, send, recv = t.wire
-        start = time.perf_counter()
-        if t.round == 0:
-            t.t_start = start
-        exchange = self.transport.gather if t.gathers else self.transport.push_pull
-        t.handle = exchange(wire, send, recv, t.priority)
-        if t.serial:
+        """Start the round's exchange. A serial transfer waits for it, and runs the codec's
+        further rounds here too: were they queued again behind the next serial transfer,
+        workers could each wait on another key."""
+        while True:
+            wire, send, recv = t.wire
+            start = time.perf_counter()
+            if t.round == 0:
+                t.t_start = start
+            exchange = self.transport.gather if t.gathers else self.transport.push_pull
+            t.handle = exchange(wire, send, recv, t.priority)
+            if not t.serial:
+                return
             t.handle.wait()
             t.t_comm = (t.t_comm or 0.0) + (t.handle.elapsed or time.perf_counter() - start)
+            if not self._advance(t):
+                return
 
     def _complete(self, t):
         """Wait for the round; run the codec's next round, or decode and finish. True: the
@@ -233,6 +248,25 @@ class Pipeline:
             t.t_comm = time.perf_counter() - t.t_start if t.handle.elapsed is None \
                 else (t.t_comm or 0.0) + t.handle.elapsed
         n = self.transport.num_workers
+        if self._advance(t):
+            return True
+        if t.compressed and b.device is not None:
+            t0 = time.perf_counter()
+            b.device.decode_key(b, n)
+            b.agg.for_read()
+            t.t_proc += time.perf_counter() - t0
+        elif t.compressed and not t.decode_in_update:
+            lanes, agg = b.rounds[-1].recv.for_read(), b.agg.for_write()
+            t0 = time.perf_counter()
+            b.codec.decode(lanes, b.size, n, out=agg)
+            t.t_proc += time.perf_counter() - t0
+        self._finish(t)
+        return False
+
+    def _advance(self, t):
+        """Check the finished round's result; when the codec has a further round, write its
+        payload (next_round) and return True."""
+        b, n = t.buffers, self.transport.num_workers
         _, _, received = t.wire
         values = received.for_read()
         if not np.isfinite(values).all():
@@ -244,25 +278,14 @@ class Pipeline:
                     t.label, t.step, "worker rank %d" % sender if sender is not None
                     else "a worker this sum does not name (an overflow, or a NaN no check saw)",
                     "did" if t.nonfinite else "was finite"))
-        if t.compressed and t.round + 1 < b.codec.rounds:
-            nxt = b.rounds[t.round + 1].send
-            t0 = time.perf_counter()
-            b.codec.next_round(t.round, values, nxt.for_write(), n)
-            t.t_proc += time.perf_counter() - t0
-            t.round += 1
-            return True
-        if t.compressed and b.device is not None:
-            t0 = time.perf_counter()
-            b.device.decode_key(b, n)
-            b.agg.for_read()
-            t.t_proc += time.perf_counter() - t0
-        elif t.compressed and not t.decode_in_update:
-            lanes, agg = b.bit_sum.for_read(), b.agg.for_write()
-            t0 = time.perf_counter()
-            b.codec.decode(lanes, b.size, n, out=agg)
-            t.t_proc += time.perf_counter() - t0
-        self._finish(t)
-        return False
+        if not (t.compressed and t.round + 1 < b.codec.rounds):
+            return False
+        nxt = b.rounds[t.round + 1].send
+        t0 = time.perf_counter()
+        b.codec.next_round(t.round, values, nxt.for_write(), n)
+        t.t_proc += time.perf_counter() - t0
+        t.round += 1
+        return True
 
 
 def _flush_residual(b):
@@ -312,8 +335,7 @@ class TransferStats:
     compressed_transfers: int = 0
 
     def add(self, t):
-        _, send, _ = t.wire
-        self.wire += send.nbytes
+        self.wire += t.wire_bytes
         self.fp32 += t.buffers.nbytes
         self.comm_s += t.t_comm
         self.compress_s += t.t_proc

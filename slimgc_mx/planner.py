@@ -205,6 +205,8 @@ class Planner:
         """Buffers and wire keys of a new key (collective: declares its wire keys)."""
         index = len(self.keys)
         codec = self.codec.clone() if self.codec is not None else None
+        if codec is not None and not codec.compresses(tuple(shape)):
+            codec = None  # the codec sends it in full precision: fp_buf only, no bit_buf
         if codec is not None:
             codec.seed = key_seed(self.config.seed, index)
         b = KeyBuffers(index, shape, codec, self.transport.num_workers, self._make_buffer,

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from slimgc_mx import bench
+from slimgc_mx import bench, codecs
 from slimgc_mx.bench import codecs as bench_codecs
 
 
@@ -14,7 +14,9 @@ def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["memcpy_elems_per_s"] > 0
-    assert sorted(report["codecs"]) == ["1bit", "2bit", "4bit", "none"]
+    assert sorted(report["codecs"]) == codecs.available()
+    assert report["params"]["shapes"]["2bit"] == [5000]
+    assert report["params"]["shapes"]["powersgd"] == [50, 100]  # matrices only
     for name, r in report["codecs"].items():
         for key in ("encode_elems_per_s", "decode_elems_per_s", "encode_1thread_elems_per_s",
                     "decode_1thread_elems_per_s", "reference_encode_elems_per_s",
@@ -24,6 +26,7 @@ def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
             r["encode_elems_per_s"] / report["memcpy_elems_per_s"])
         assert set(report["wire_bits"][name]) == {"1", "2", "4", "8", "16", "32"}
     assert report["wire_bits"]["2bit"]["1"] == pytest.approx(64 / 33)
+    assert report["wire_bits"]["powersgd"]["32"] == pytest.approx(32 * 4 * 150 / 5000)
     table = capsys.readouterr().out
     assert "memcpy" in table and "2bit" in table and "wire bits" in table
 

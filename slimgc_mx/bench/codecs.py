@@ -6,6 +6,7 @@ ratios compare like with like.
 """
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -25,8 +26,9 @@ def parse_args(argv, prog):
     p = argparse.ArgumentParser(
         prog=prog, description=DESCRIPTION + ".",
         epilog="Rates are elements/s, best of --repeat runs (the median is in the JSON). "
-               "Encode includes the NaN/Inf pre-check; decode starts from the lanes of "
-               "--workers workers summed. JSON keys: memcpy_elems_per_s, "
+               "Encode includes the NaN/Inf pre-check and a multi-round codec's next_round; "
+               "decode starts from the wire of --workers identical workers summed. A codec "
+               "that compresses matrices only is timed on the squarest matrix of --size. JSON keys: memcpy_elems_per_s, "
                "codecs.<name>.{encode,decode}_elems_per_s (all threads), "
                "codecs.<name>.{encode,decode}_1thread_elems_per_s, "
                "codecs.<name>.reference_{encode,decode}_elems_per_s, ratios, and "
@@ -79,21 +81,51 @@ def rates(size, seconds):
     return size / best, size / median
 
 
+def bench_shape(codec, size):
+    """The tensor shape a codec is timed on: flat, or for a codec that compresses matrices
+    only (powersgd), the squarest rows x columns holding `size` elements."""
+    if codec.compresses((size,)):
+        return (size,)
+    rows = max(d for d in range(1, math.isqrt(size) + 1) if size % d == 0)
+    return (rows, size // rows)
+
+
+def _from_identical_workers(send, recv, route, n_workers):
+    """recv <- what the servers return when N workers send `send` (every digit sum of a lane
+    codec stays below R)."""
+    if route == "gather":
+        recv.reshape((n_workers,) + send.shape)[...] = send
+    else:
+        np.multiply(send, n_workers, out=recv)
+
+
 def bench_codec(name, args, grad, n_threads):
-    """Rates of one codec: encode/decode with all threads and with one, and the reference."""
+    """Rates of one codec: encode/decode with all threads and with one, and the reference.
+
+    Encode covers every round a worker computes before decoding (a codec with several
+    rounds: encode, then next_round from the sums of N identical workers)."""
     n, n_workers = grad.shape[0], args.workers
     threshold = args.threshold if name == "2bit" else None
     result = {}
     for label, impl in (("", dict(num_threads=n_threads)), ("_1thread", dict(num_threads=1)),
                         ("reference_", dict(reference=True))):
         c = codecs.create(name, threshold=threshold, **impl)
+        rounds = c.wire_rounds(n, bench_shape(c, n), n_workers)
+        sends = [np.empty(send, dtype) for _, send, _, dtype in rounds]
+        recvs = [np.empty(recv, dtype) for _, _, recv, dtype in rounds]
         residual = np.zeros(n, np.float32)
-        lanes = np.empty(c.lane_count(n, n_workers), c.wire_dtype)
         out = np.empty(n, np.float32)
         repeat = args.reference_repeat if impl.get("reference") else args.repeat
-        enc = rates(n, timed(lambda: c.encode(grad, residual, n_workers, out=lanes), repeat))
-        total = lanes * n_workers   # N identical workers: every digit sum stays below R
-        dec = rates(n, timed(lambda: c.decode(total, n, n_workers, out=out), repeat))
+
+        def encode():
+            c.encode(grad, residual, n_workers, out=sends[0])
+            for done in range(len(rounds) - 1):
+                _from_identical_workers(sends[done], recvs[done], rounds[done][0], n_workers)
+                c.next_round(done, recvs[done], sends[done + 1], n_workers)
+
+        enc = rates(n, timed(encode, repeat))
+        _from_identical_workers(sends[-1], recvs[-1], rounds[-1][0], n_workers)
+        dec = rates(n, timed(lambda: c.decode(recvs[-1], n, n_workers, out=out), repeat))
         if label == "reference_":
             keys = ("reference_encode", "reference_decode")
         else:
@@ -117,7 +149,7 @@ def run(args):
                     "load_average": list(os.getloadavg())},
         "params": {"size": args.size, "repeat": args.repeat,
                    "reference_repeat": args.reference_repeat, "workers": args.workers,
-                   "threshold_2bit": args.threshold, "seed": args.seed,
+                   "threshold_2bit": args.threshold, "seed": args.seed, "shapes": {},
                    "timing": "elements/s of the best run; *_median_* of the median run"},
         "memcpy_elems_per_s": memcpy[0],
         "memcpy_median_elems_per_s": memcpy[1],
@@ -132,6 +164,9 @@ def run(args):
             r[op + "_thread_speedup"] = r[op + "_elems_per_s"] / r[op + "_1thread_elems_per_s"]
         report["codecs"][name] = r
         c = codecs.create(name, threshold=args.threshold if name == "2bit" else None)
+        shape = bench_shape(c, args.size)
+        c.wire_rounds(args.size, shape, 1)  # a codec whose wire depends on the shape learns it
+        report["params"]["shapes"][name] = list(shape)
         report["wire_bits"][name] = {str(w): c.wire_bits_per_element(w) for w in WIRE_WORKERS}
     report["machine"]["load_average_after"] = list(os.getloadavg())
     return report
@@ -144,19 +179,23 @@ def format_table(report):
              "best of %d" % (p["size"], p["workers"], m["threads"], m["cpus_available"],
                              p["repeat"]),
              "memcpy (numpy.copyto): %.1f M elem/s" % (report["memcpy_elems_per_s"] / 1e6), "",
-             "%-5s %-6s %10s %10s %10s %9s %9s %8s" % (
+             "%-9s %-6s %10s %10s %10s %9s %9s %8s" % (
                  "codec", "op", "M elem/s", "1 thread", "reference", "x memcpy", "x ref",
                  "x thr")]
     for name, r in report["codecs"].items():
         for op in ("encode", "decode"):
-            lines.append("%-5s %-6s %10.1f %10.1f %10.1f %9.2f %9.1f %8.2f" % (
+            lines.append("%-9s %-6s %10.1f %10.1f %10.1f %9.2f %9.1f %8.2f" % (
                 name, op, r[op + "_elems_per_s"] / 1e6, r[op + "_1thread_elems_per_s"] / 1e6,
                 r["reference_%s_elems_per_s" % op] / 1e6, r[op + "_vs_memcpy"],
                 r[op + "_vs_reference"], r[op + "_thread_speedup"]))
+    for name, shape in p.get("shapes", {}).items():
+        if len(shape) > 1:
+            lines.append("%s: a %s matrix; encode includes every round before decode"
+                         % (name, "x".join(map(str, shape))))
     lines += ["", "wire bits per element, each direction (N workers):",
-              "%-5s " % "codec" + " ".join("%7s" % ("N=" + w) for w in map(str, WIRE_WORKERS))]
+              "%-9s " % "codec" + " ".join("%7s" % ("N=" + w) for w in map(str, WIRE_WORKERS))]
     for name, bits in report["wire_bits"].items():
-        lines.append("%-5s " % name + " ".join("%7.2f" % bits[str(w)] for w in WIRE_WORKERS))
+        lines.append("%-9s " % name + " ".join("%7.2f" % bits[str(w)] for w in WIRE_WORKERS))
     lines.append("load average before/after: %s / %s" % (
         ", ".join("%.2f" % x for x in m["load_average"]),
         ", ".join("%.2f" % x for x in m["load_average_after"])))

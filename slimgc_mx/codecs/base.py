@@ -250,6 +250,11 @@ class Codec:
         (for a gathering codec: every worker's slot side by side)."""
         raise NotImplementedError
 
+    def compresses(self, shape):
+        """False for a tensor of `shape` this codec sends in full precision (the planner
+        routes it to fp_buf and gives it no codec state, e.g. PowerSGD's vectors)."""
+        return True
+
     #: Exchanges per step: a codec with more calls next_round between them.
     rounds = 1
 
