@@ -8,6 +8,8 @@
 #                                               # this machine can make one (root, namespaces)
 #   bash scripts/run.sh setup                   # only install and build
 #   bash scripts/run.sh python ARGS...          # the venv's python (e.g. -m slimgc_mx.bench codecs)
+#   bash scripts/run.sh horovod                 # optional: Horovod 0.28.1 for the benchmark's
+#                                               # horovod-fp32/-fp16 baselines (builds ~2-5 min)
 #
 # Environment: SLIMGC_VENV (default .venv), SLIMGC_PYTHON (default python3.11, else python3).
 set -euo pipefail
@@ -87,7 +89,18 @@ case "$cmd" in
     python)
         setup
         exec "$VENV/bin/python" "$@" ;;
+    horovod)
+        setup
+        if "$VENV/bin/python" -c "import horovod.mxnet" 2>/dev/null; then
+            log "Horovod with MXNet support is installed"; exit 0
+        fi
+        log "building Horovod 0.28.1 against the MXNet wheel (Gloo, no MPI)"
+        "$VENV/bin/python" -m pip install -q -r requirements-horovod.txt
+        HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+            HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_CPU_OPERATIONS=GLOO \
+            "$VENV/bin/python" -m pip install -q --no-build-isolation --no-cache-dir horovod==0.28.1
+        "$VENV/bin/python" -c "import horovod.mxnet as h; assert h.gloo_built()" ;;
     *)
-        echo "usage: bash scripts/run.sh {test|train|setup|python} [ARGS...]" >&2
+        echo "usage: bash scripts/run.sh {test|train|setup|python|horovod} [ARGS...]" >&2
         exit 2 ;;
 esac

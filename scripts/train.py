@@ -34,8 +34,8 @@ import slimgc_mx.resume  # noqa: E402
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.bench import datasets, models  # noqa: E402
 
-KVSTORES = ("slimgc", "dist_sync", "local")
-COMPRESSORS = tuple(codecs.available())
+KVSTORES = ("slimgc", "dist_sync", "horovod", "local")
+COMPRESSORS = tuple(codecs.available()) + ("fp16",)
 
 
 def comm_threshold(text):
@@ -71,10 +71,13 @@ def build_parser():
     g = p.add_argument_group("communication")
     g.add_argument("--kvstore", choices=KVSTORES, default="slimgc",
                    help="slimgc: the SlimGC plugin; dist_sync: stock MXNet parameter server; "
+                        "horovod: Horovod's DistributedTrainer (ring allreduce over Gloo; a "
+                        "benchmark baseline: bash scripts/run.sh horovod installs it); "
                         "local: one process, no communication")
     g.add_argument("--compressor", choices=COMPRESSORS, default=None,
                    help="gradient codec; default 2bit for slimgc, none otherwise "
-                        "(dist_sync hands it to MXNet's own gradient compression)")
+                        "(dist_sync hands it to MXNet's own gradient compression; horovod "
+                        "takes none or fp16, Horovod's own compression)")
     g.add_argument("--threshold", type=float, default=0.5,
                    help="compressor threshold (quantization level scale)")
     g.add_argument("--codec-option", action="append", default=[], metavar="NAME=VALUE",
@@ -137,8 +140,25 @@ def build_parser():
     return p
 
 
+def import_horovod():
+    """horovod.mxnet, initialized; a clear exit when it is not installed."""
+    try:
+        import horovod.mxnet as hvd
+    except ImportError as exc:
+        sys.exit("--kvstore horovod needs Horovod with MXNet support (%s); install it with: "
+                 "bash scripts/run.sh horovod" % exc)
+    hvd.init()
+    return hvd
+
+
 def make_kvstore(args):
-    """The kvstore object for --kvstore (None for local) and its compression_params."""
+    """The kvstore object for --kvstore (None for local and horovod) and its
+    compression_params."""
+    if (args.compressor == "fp16") != (args.kvstore == "horovod" and args.compressor != "none"):
+        sys.exit("--compressor %s does not go with --kvstore %s: horovod takes none or fp16, "
+                 "fp16 is horovod's only" % (args.compressor, args.kvstore))
+    if args.kvstore == "horovod":
+        return None, None
     if args.kvstore == "local":
         if args.compressor != "none":
             warnings.warn("--kvstore local does not communicate; --compressor is ignored")
@@ -262,8 +282,9 @@ def main(argv=None, on_step=None):
     ctx = mx.cpu()
 
     kv, compression_params = make_kvstore(args)
-    rank = kv.rank if kv is not None else 0
-    num_workers = kv.num_workers if kv is not None else 1
+    hvd = import_horovod() if args.kvstore == "horovod" else None
+    rank = kv.rank if kv is not None else hvd.rank() if hvd else 0
+    num_workers = kv.num_workers if kv is not None else hvd.size() if hvd else 1
     is_root = rank == 0
 
     layout = "image" if args.model in ("resnet20", "vgg") else "flat"
@@ -294,9 +315,19 @@ def main(argv=None, on_step=None):
     if args.lr_schedule == "cosine":
         opt_params["lr_scheduler"] = mx.lr_scheduler.CosineScheduler(
             max_update=steps * args.epochs, base_lr=args.lr, final_lr=0.0)
-    trainer = trainer_cls(net.collect_params(), "sgd", opt_params,
-                            kvstore=kv if kv is not None else "local",
-                            compression_params=compression_params)
+    if hvd is not None:  # averages over workers itself: step() takes the per-worker batch
+        trainer = hvd.DistributedTrainer(
+            net.collect_params(), "sgd", opt_params,
+            compression=hvd.Compression.fp16 if args.compressor == "fp16"
+            else hvd.Compression.none)
+        hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+    else:
+        trainer = trainer_cls(net.collect_params(), "sgd", opt_params,
+                              kvstore=kv if kv is not None else "local",
+                              compression_params=compression_params)
+    # trainer.step(n) divides the summed gradient by n: the mean over the global batch.
+    # Horovod's trainer divides by the worker count itself.
+    step_batch = args.batch_size if hvd is not None else args.batch_size * num_workers
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     global_batch = args.batch_size * num_workers
     show_bar = is_root and not args.no_progress and (
@@ -342,7 +373,7 @@ def main(argv=None, on_step=None):
             loss.backward()
             if on_step is not None:
                 on_step(trainer)
-            trainer.step(global_batch)  # mean gradient over all workers' samples
+            trainer.step(step_batch)  # mean gradient over all workers' samples
             lval = float(loss.mean().asscalar())  # sync point: this step's forward is done
             if not np.isfinite(lval):
                 sys.exit("loss became %r at epoch %d step %d" % (lval, epoch, s + 1))

@@ -32,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 CODECS = ("1bit", "2bit", "4bit")
 ABLATIONS = ("classic", "cgopt", "offload", "full")
+#: Horovod's DistributedTrainer (optional: bash scripts/run.sh horovod) and its compression
+HOROVOD = {"horovod-fp32": "none", "horovod-fp16": "fp16"}
 
 
 # ---------------------------------------------------------------- configurations
@@ -44,16 +46,19 @@ def config_args(name: str) -> List[str]:
         return ["--kvstore", "dist_sync", "--compressor", "2bit", "--threshold", "0.5"]
     if name == "no-comm":
         return ["--kvstore", "local"]
+    if name in HOROVOD:
+        return ["--kvstore", "horovod", "--compressor", HOROVOD[name]]
     alone = re.fullmatch(r"([a-z0-9]+)(\[[^\]]*\])?-alone", name)
     if alone:  # the codec as the paper ran its baselines: everything compressed, no strategy
         name = "slimgc-%s%s-classic" % (alone.group(1), alone.group(2) or "")
     m = re.fullmatch(r"slimgc-([a-z0-9]+)(?:\[([^\]]*)\])?-(classic|cgopt|offload|full)"
                      r"(-nofuse)?", name)
     if not m or m.group(1) not in available_codecs():
-        raise ValueError("unknown configuration %r; valid: %s, slimgc-CODEC-STEP and CODEC-alone "
-                         "for the codecs %s (options in brackets: slimgc-topk[ratio=0.1]-full; "
-                         "a slimgc one may end in -nofuse)"
-                         % (name, ", ".join(all_configs()), ", ".join(available_codecs())))
+        raise ValueError("unknown configuration %r; valid: %s, %s, slimgc-CODEC-STEP and "
+                         "CODEC-alone for the codecs %s (options in brackets: "
+                         "slimgc-topk[ratio=0.1]-full; a slimgc one may end in -nofuse)"
+                         % (name, ", ".join(all_configs()), ", ".join(HOROVOD),
+                            ", ".join(available_codecs())))
     codec, options, step, nofuse = m.groups()
     args = ["--kvstore", "slimgc", "--compressor", codec, "--threshold", "0.5"]
     for option in filter(None, (options or "").split(";")):
@@ -213,12 +218,14 @@ ENGINE_THREADS = launch.ENGINE_THREADS_VAR
 
 
 def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
-                command: List[str], comm: bool, stock_servers: bool = False) -> List[launch.Task]:
+                command: List[str], comm: bool, stock_servers: bool = False,
+                rendezvous=None) -> List[launch.Task]:
     """The launcher's plan: `--launcher netns` in the harness's namespaces, or local.
 
     stock_servers: drop the launcher's zero-filled-heap variables from the servers, so that
     MXNet-only baselines (float32 pushes, which that fix does not concern) run as they would
-    without slimgc_mx and do not pay its cost.
+    without slimgc_mx and do not pay its cost. rendezvous (a horovod.Rendezvous): workers
+    only, each with Horovod's environment.
     """
     if comm:
         mode = ["--launcher", "netns", "--bandwidth", cluster.bandwidth or "none"] \
@@ -232,10 +239,11 @@ def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
                     for name in SERVER_ENV:
                         t.env.pop(name, None)
         return plan
-    # no-comm: just the workers, no scheduler or servers, no DMLC roles
+    # no-comm and Horovod: just the workers, no scheduler or servers, no DMLC roles
     runner = NetnsRunner() if cluster is not None else launch.LocalRunner()
     plan = [launch.Task("worker", i, cluster.ns("worker %d" % i) if cluster else None, runner,
-                        {"PYTHONUNBUFFERED": "1", LAUNCH_INDEX_VAR: str(i)})
+                        {"PYTHONUNBUFFERED": "1", LAUNCH_INDEX_VAR: str(i),
+                         **(rendezvous.worker_env(i) if rendezvous else {})})
             for i in range(workers)]
     if ENGINE_THREADS not in os.environ:  # the launcher's engine threads, as the others get
         for t in plan:
@@ -288,9 +296,13 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
     iface = NODE_IFACE if cluster is not None else "lo"
     command = job_command(probe_dir, start, window, iface, train_args,
                           None if build is None else build[1])
-    comm = name != "no-comm"
+    stack = contextlib.ExitStack()
+    rendezvous = None
+    if name in HOROVOD:
+        rendezvous = stack.enter_context(horovod_rendezvous(cluster, opts.workers))
+    comm = name != "no-comm" and rendezvous is None
     plan = build_tasks(cluster, opts.workers, opts.servers, command, comm,
-                       stock_servers=not uses_slimgc(name))
+                       stock_servers=not uses_slimgc(name), rendezvous=rendezvous)
     env = {"SLIMGC_WARMUP_STEPS": str(opts.slimgc_warmup)}
     env["OMP_NUM_THREADS"] = str(opts.threads)
     for t in plan:
@@ -299,7 +311,7 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
     load_before = os.getloadavg()
     t0 = time.monotonic()
     job = launch.LaunchedJob(plan, command, ROOT, linger=opts.linger, kill_grace=3.0)
-    with _output_to(log_path):
+    with stack, _output_to(log_path):
         status = job.run()
     wall = time.monotonic() - t0
     summary = summarize(label, opts, probe_dir, status, wall, cluster is not None, seed)
@@ -311,6 +323,25 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
     with open(os.path.join(outdir, tag + ".json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary
+
+
+@contextlib.contextmanager
+def horovod_rendezvous(cluster: Optional[NetnsCluster], workers: int):
+    """Horovod's rendezvous for one job: in the scheduler's namespace, each worker a host of
+    its own with a hosts file of its own; on loopback, one host."""
+    from . import horovod
+    if cluster is None:
+        with horovod.Rendezvous(["localhost"] * workers, "lo") as rz:
+            yield rz
+        return
+    labels = ["worker %d" % i for i in range(workers)]
+    files = horovod.namespace_hosts_files({cluster.ns(l): cluster.ip(l) for l in labels})
+    try:
+        with horovod.Rendezvous(["worker-%d" % i for i in range(workers)], NODE_IFACE,
+                                (cluster.ns("scheduler"), cluster.ip("scheduler"))) as rz:
+            yield rz
+    finally:
+        horovod.remove_hosts_files(files)
 
 
 # ---------------------------------------------------------------- summaries
@@ -572,6 +603,14 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
                                                      (": " + ", ".join(removed)) if removed else ""))
         return 0
     os.makedirs(opts.out, exist_ok=True)
+    if any(c in HOROVOD for c in opts.config_list):
+        from . import horovod
+        if not horovod.installed():
+            skipped = [c for c in opts.config_list if c in HOROVOD]
+            print("NOTE: Horovod is not installed, so %s are skipped (bash scripts/run.sh "
+                  "horovod installs it)" % ", ".join(skipped), file=sys.stderr)
+            opts.config_list = [c for c in opts.config_list if c not in HOROVOD]
+            opts.labels = [l for l in opts.labels if l.split("@")[0] not in HOROVOD]
     netns_note = None
     use_netns = not opts.no_netns
     if use_netns:
