@@ -226,3 +226,35 @@ def test_codec_configurations_cover_every_registered_codec():
     assert not cluster.uses_slimgc("fp32") and not cluster.uses_slimgc("mxnet-2bit")
     with pytest.raises(ValueError, match="slimgc-CODEC-STEP and CODEC-alone"):
         cluster.config_args("slimgc-9bit-full")
+
+
+def test_horovod_configurations_and_worker_environment():
+    from slimgc_mx.bench import horovod
+    assert cluster.config_args("horovod-fp16") == ["--kvstore", "horovod", "--compressor", "fp16"]
+    assert not cluster.uses_slimgc("horovod-fp32")
+    rz = horovod.Rendezvous(["worker-0", "worker-1", "worker-1"], "eth0", ("ns", "10.0.0.1"))
+    rz.port = 1234
+    plan = cluster.build_tasks(None, 3, 2, ["true"], comm=False, rendezvous=rz)
+    assert [t.role for t in plan] == ["worker"] * 3  # no scheduler, no servers
+    env = [t.env for t in plan]
+    assert [e["HOROVOD_RANK"] for e in env] == ["0", "1", "2"]
+    assert [e["HOROVOD_LOCAL_RANK"] for e in env] == ["0", "0", "1"]
+    assert [e["HOROVOD_CROSS_RANK"] for e in env] == ["0", "1", "1"]
+    assert env[2]["HOROVOD_LOCAL_SIZE"] == "2" and env[0]["HOROVOD_CROSS_SIZE"] == "2"
+    assert env[0]["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1"
+    assert env[0]["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "1234"
+
+
+def test_horovod_rows_are_skipped_with_a_note_when_it_is_not_installed(monkeypatch, tmp_path,
+                                                                       capsys):
+    from slimgc_mx.bench import horovod
+    monkeypatch.setattr(horovod, "installed", lambda python=None: False)
+    ran = []
+    monkeypatch.setattr(cluster, "run_config", lambda name, *a, **k: ran.append(name) or {
+        "ok": True, "status": 0, "samples_per_s_per_worker": 1.0, "step_s": {"median": 1.0},
+        "wall_s": 0.0, "config": name})
+    monkeypatch.setattr(cluster, "netns_available", lambda: (False, "test"))
+    cluster.main(["--model", "mlp", "--dataset", "digits", "--workers", "2", "--configs",
+                  "horovod-fp32,fp32", "--out", str(tmp_path), "--no-netns"])
+    assert ran == ["fp32"]
+    assert "Horovod is not installed; skipping horovod-fp32" in capsys.readouterr().err

@@ -607,8 +607,8 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
         from . import horovod
         if not horovod.installed():
             skipped = [c for c in opts.config_list if c in HOROVOD]
-            print("NOTE: Horovod is not installed, so %s are skipped (bash scripts/run.sh "
-                  "horovod installs it)" % ", ".join(skipped), file=sys.stderr)
+            print("NOTE: Horovod is not installed; skipping %s (bash scripts/run.sh horovod "
+                  "installs it)" % ", ".join(skipped), file=sys.stderr)
             opts.config_list = [c for c in opts.config_list if c not in HOROVOD]
             opts.labels = [l for l in opts.labels if l.split("@")[0] not in HOROVOD]
     netns_note = None
