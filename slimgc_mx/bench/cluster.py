@@ -764,37 +764,48 @@ def merge_repeats(records: List[dict], configs: List[str]) -> List[dict]:
 
 
 def add_derived(summary: dict):
-    """Ratios to mxnet-2bit / fp32 / no-comm and the time composition, in place."""
+    """Ratios to mxnet-2bit / fp32 / no-comm / the better Horovod, CPU-seconds per step
+    against no-comm's, and the time composition, in place."""
     by = {r["config"]: r for r in summary["results"] if r.get("ok")}
 
     def thr(name):
         return (by.get(name) or {}).get("samples_per_s_per_worker")
 
+    hvd = max((thr(h) for h in HOROVOD if thr(h)), default=None)
     compute = ((by.get("no-comm") or {}).get("step_s") or {}).get("median")
+    cpu_nocomm = (by.get("no-comm") or {}).get("cpu_s_per_step_per_worker")
     for r in summary["results"]:
         if not r.get("ok"):
             continue
         s = r.get("samples_per_s_per_worker")
         r["vs"] = {b: (s / thr(b) if s and thr(b) else None) for b in ("mxnet-2bit", "fp32", "no-comm")}
+        r["vs"]["horovod"] = s / hvd if s and hvd else None  # the better of fp32 and fp16
+        cpu = r.get("cpu_s_per_step_per_worker")
+        r["cpu_vs_no_comm"] = cpu / cpu_nocomm if cpu and cpu_nocomm else None
         bw = summary.get("bandwidth")
         r["time_composition_s"] = time_composition(r, compute, rate_bits(bw) if bw else None)
 
 
 def format_table(summary: dict) -> str:
-    lines = ["%-22s %10s %8s %8s %8s %12s %8s" % ("config", "samples/s", "xmx2bit", "xfp32",
-                                                  "xnocomm", "MB/step/wkr", "CT")]
+    """The throughput table: ratios, wire bytes, CPU-seconds per step, CTTab threshold."""
+    head = ("config", "samples/s", "xmx2bit", "xfp32", "xhvd", "xnocomm", "MB/step/wkr",
+            "CPU s/step", "xcpu", "CT")
+    fmt = "%-26s %10s %8s %8s %8s %8s %12s %10s %6s %8s"
+    lines = [fmt % head]
     for r in summary["results"]:
         if not r.get("ok"):
-            lines.append("%-22s FAILED" % r["config"])
+            lines.append("%-26s FAILED" % r["config"])
             continue
         vs = r.get("vs") or {}
         wire = (r.get("wire_bytes_per_step_per_worker") or {}).get("total")
         ct = r.get("comm_threshold_bytes")
-        lines.append("%-22s %10s %8s %8s %8s %12s %8s" % (
-            r["config"], _fmt(r.get("samples_per_s_per_worker")), _fmt(vs.get("mxnet-2bit"), "%.2f"),
-            _fmt(vs.get("fp32"), "%.2f"), _fmt(vs.get("no-comm"), "%.2f"),
+        lines.append(fmt % (
+            r["config"], _fmt(r.get("samples_per_s_per_worker")),
+            _fmt(vs.get("mxnet-2bit"), "%.2f"), _fmt(vs.get("fp32"), "%.2f"),
+            _fmt(vs.get("horovod"), "%.2f"), _fmt(vs.get("no-comm"), "%.2f"),
             _fmt(wire / 1e6 if wire is not None else None, "%.2f"),
-            "-" if ct is None else str(ct)))
+            _fmt(r.get("cpu_s_per_step_per_worker"), "%.3f"),
+            _fmt(r.get("cpu_vs_no_comm"), "%.2f"), "-" if ct is None else str(ct)))
     return "\n".join(lines)
 
 
