@@ -201,11 +201,12 @@ class Aggregator:
         b = transfer.buffers
         if transfer.compressed and b.device is not None:
             # Offload off: encode with NDArray ops on the gradient's own context, in line.
+            send = transfer.exchange.send
             try:
-                b.device.encode_key(b, grad, self.num_workers, self.transport.rank)
+                b.device.encode_key(b, grad, self.num_workers, self.transport.rank, send)
                 b.residual_pending = True
             except codecs.NonFiniteGradientError:
-                mark_nonfinite(b.bit_buf.for_write(), self.transport.rank)
+                mark_nonfinite(send.for_write(), self.transport.rank)
                 transfer.nonfinite = True
         self.pipeline.submit(transfer)
 
@@ -285,7 +286,8 @@ class Aggregator:
 def report(agg, compressor, pieces):
     """What SlimGC.stats() returns; zeros before the first key.
 
-    bytes_pushed / bytes_pulled: bytes on the wire each direction, against bytes_fp32;
+    bytes_pushed / bytes_pulled: bytes on the wire each direction, against bytes_fp32 (a
+    gathering codec pulls every worker's slot: N times what it pushes);
     comm_s: transfer time summed over keys (transfers overlap each other);
     compress_s: encode + decode time (decoding fused into the SGD kernel's update
     after warm-up is not in it); blocked_s: time the training thread waited
@@ -304,7 +306,7 @@ def report(agg, compressor, pieces):
         "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
         "comm_threshold_phase": cttab.phase if cttab else None,
         "bytes_pushed": c.wire,
-        "bytes_pulled": c.wire,
+        "bytes_pulled": c.pulled,
         "bytes_fp32": c.fp32,
         "transfers": c.transfers,
         "compressed_transfers": c.compressed_transfers,

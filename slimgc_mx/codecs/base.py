@@ -231,6 +231,11 @@ class Codec:
         self.pushes = int(state.get("pushes", 0))
 
     # ------------------------------------------------------------ the wire (per family)
+    def memory_size(self, size):
+        """Length of this worker's error-feedback memory (`residual`) for `size` elements: the
+        residual itself, first, and any further per-worker state after it (dgc's velocity)."""
+        return size
+
     def lane_count(self, size, num_workers):
         """Length of the wire array for `size` elements."""
         raise NotImplementedError
@@ -254,9 +259,16 @@ class Codec:
     rounds = 1
 
     def wire_rounds(self, size, shape, num_workers):
-        """[(route, send shape, receive shape, dtype)] per round; route 'sum' or 'gather'."""
+        """[(route, send shape, receive shape, dtype)] of every exchange the codec may use;
+        route 'sum' or 'gather'. The kvstore declares one wire key per entry."""
         n = max(1, self.lane_count(size, num_workers))
         return [("sum", (n,), (n,), self.wire_dtype)]
+
+    def push_rounds(self, size, num_workers):
+        """Indices into wire_rounds() of the exchanges of the next push, in order: every
+        round by default. A codec that declares alternatives (a slot size per stage of a
+        schedule) picks here, from shared state only, so that every worker picks alike."""
+        return tuple(range(self.rounds))
 
     def next_round(self, done, result, send, num_workers):
         """After round `done` came back as `result`, write round done+1's payload to `send`."""
