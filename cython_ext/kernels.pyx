@@ -310,6 +310,7 @@ include "codec_2bit.pxi"
 include "codec_4bit.pxi"
 include "codec_terngrad.pxi"
 include "codec_topk.pxi"
+include "codec_dgc.pxi"
 
 
 # ---------------------------------------------------------------- decoder

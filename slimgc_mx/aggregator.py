@@ -79,6 +79,7 @@ class Aggregator:
         Collective: every worker's optimizer must have the same class and settings.
         """
         check_loc_optimizer(self.config.loc_optimizer)
+        check_momentum(self.codec, optimizer)
         agreement.check(self.transport, optimizer_settings(optimizer), what="optimizer settings")
         self.update = GlobalUpdate(optimizer, self.config.num_threads)
         self._local = None
@@ -281,6 +282,18 @@ class Aggregator:
         """Stop the pipeline threads (join=False leaves threads stuck on a dead peer)."""
         self.pipeline.close(join=join)
         self.backup.close()
+
+
+def check_momentum(codec, optimizer):
+    """Refuse an optimizer with momentum under a codec that applies momentum itself (dgc's
+    momentum correction accumulates the velocity before sparsifying), naming the fix."""
+    momentum = getattr(optimizer, "momentum", 0.0) or 0.0
+    if codec is not None and codec.owns_momentum and momentum:
+        raise ValueError(
+            "codec %r applies momentum itself, so the optimizer's momentum must be 0, got "
+            "momentum=%r: create the optimizer with momentum=0 and give the codec's own option "
+            "instead, e.g. compression_params={'type': %r, 'momentum': %r}"
+            % (codec.name, momentum, codec.name, momentum))
 
 
 def report(agg, compressor, pieces):

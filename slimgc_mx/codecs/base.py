@@ -160,6 +160,8 @@ class Codec:
     feedback = ErrorFeedback()
     is_reference = False
     stochastic = False
+    #: The codec applies momentum itself (dgc's momentum correction): the optimizer's must be 0.
+    owns_momentum = False
 
     def __init__(self, threshold=None, num_threads=None, **options):
         threshold = check_threshold(threshold, self.name)
