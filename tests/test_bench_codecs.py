@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from slimgc_mx import bench
+from slimgc_mx import bench, codecs
 from slimgc_mx.bench import codecs as bench_codecs
 
 
@@ -14,7 +14,7 @@ def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["memcpy_elems_per_s"] > 0
-    assert sorted(report["codecs"]) == ["1bit", "2bit", "4bit", "none"]
+    assert sorted(report["codecs"]) == codecs.available()
     for name, r in report["codecs"].items():
         for key in ("encode_elems_per_s", "decode_elems_per_s", "encode_1thread_elems_per_s",
                     "decode_1thread_elems_per_s", "reference_encode_elems_per_s",
@@ -24,6 +24,11 @@ def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
             r["encode_elems_per_s"] / report["memcpy_elems_per_s"])
         assert set(report["wire_bits"][name]) == {"1", "2", "4", "8", "16", "32"}
     assert report["wire_bits"]["2bit"]["1"] == pytest.approx(64 / 33)
+    # a gathering codec's pull grows with N
+    assert report["wire_route"] == {name: "gather" if name in ("topk", "dgc") else "sum"
+                                    for name in codecs.available()}
+    topk_bits = report["wire_bits"]["topk"]
+    assert topk_bits["32"] == pytest.approx(32 * topk_bits["1"])
     table = capsys.readouterr().out
     assert "memcpy" in table and "2bit" in table and "wire bits" in table
 

@@ -87,12 +87,13 @@ def bench_codec(name, args, grad, n_threads):
     for label, impl in (("", dict(num_threads=n_threads)), ("_1thread", dict(num_threads=1)),
                         ("reference_", dict(reference=True))):
         c = codecs.create(name, threshold=threshold, **impl)
-        residual = np.zeros(n, np.float32)
+        residual = np.zeros(c.memory_size(n), np.float32)
         lanes = np.empty(c.lane_count(n, n_workers), c.wire_dtype)
         out = np.empty(n, np.float32)
         repeat = args.reference_repeat if impl.get("reference") else args.repeat
         enc = rates(n, timed(lambda: c.encode(grad, residual, n_workers, out=lanes), repeat))
-        total = lanes * n_workers   # N identical workers: every digit sum stays below R
+        # N identical workers: summed, every digit sum stays below R; gathered, N slots
+        total = np.tile(lanes, n_workers) if gathers(c, n, n_workers) else lanes * n_workers
         dec = rates(n, timed(lambda: c.decode(total, n, n_workers, out=out), repeat))
         if label == "reference_":
             keys = ("reference_encode", "reference_decode")
@@ -101,6 +102,11 @@ def bench_codec(name, args, grad, n_threads):
         result[keys[0] + "_elems_per_s"], result[keys[0] + "_median_elems_per_s"] = enc
         result[keys[1] + "_elems_per_s"], result[keys[1] + "_median_elems_per_s"] = dec
     return result
+
+
+def gathers(codec, size, num_workers):
+    """True when the codec's wire is every worker's slot side by side, not a sum."""
+    return codec.wire_rounds(size, (size,), num_workers)[0][0] == "gather"
 
 
 def run(args):
@@ -123,6 +129,7 @@ def run(args):
         "memcpy_median_elems_per_s": memcpy[1],
         "codecs": {},
         "wire_bits": {},
+        "wire_route": {},
     }
     for name in args.codecs:
         r = bench_codec(name, args, grad, n_threads)
@@ -133,6 +140,7 @@ def run(args):
         report["codecs"][name] = r
         c = codecs.create(name, threshold=args.threshold if name == "2bit" else None)
         report["wire_bits"][name] = {str(w): c.wire_bits_per_element(w) for w in WIRE_WORKERS}
+        report["wire_route"][name] = "gather" if gathers(c, args.size, 1) else "sum"
     report["machine"]["load_average_after"] = list(os.getloadavg())
     return report
 
@@ -144,19 +152,22 @@ def format_table(report):
              "best of %d" % (p["size"], p["workers"], m["threads"], m["cpus_available"],
                              p["repeat"]),
              "memcpy (numpy.copyto): %.1f M elem/s" % (report["memcpy_elems_per_s"] / 1e6), "",
-             "%-5s %-6s %10s %10s %10s %9s %9s %8s" % (
+             "%-8s %-6s %10s %10s %10s %9s %9s %8s" % (
                  "codec", "op", "M elem/s", "1 thread", "reference", "x memcpy", "x ref",
                  "x thr")]
     for name, r in report["codecs"].items():
         for op in ("encode", "decode"):
-            lines.append("%-5s %-6s %10.1f %10.1f %10.1f %9.2f %9.1f %8.2f" % (
+            lines.append("%-8s %-6s %10.1f %10.1f %10.1f %9.2f %9.1f %8.2f" % (
                 name, op, r[op + "_elems_per_s"] / 1e6, r[op + "_1thread_elems_per_s"] / 1e6,
                 r["reference_%s_elems_per_s" % op] / 1e6, r[op + "_vs_memcpy"],
                 r[op + "_vs_reference"], r[op + "_thread_speedup"]))
-    lines += ["", "wire bits per element, each direction (N workers):",
-              "%-5s " % "codec" + " ".join("%7s" % ("N=" + w) for w in map(str, WIRE_WORKERS))]
+    lines += ["", "wire bits per element (N workers): each direction for a sum; a gather "
+              "pulls what is shown and pushes 1/N of it:",
+              "%-8s %-6s " % ("codec", "route")
+              + " ".join("%7s" % ("N=" + w) for w in map(str, WIRE_WORKERS))]
     for name, bits in report["wire_bits"].items():
-        lines.append("%-5s " % name + " ".join("%7.2f" % bits[str(w)] for w in WIRE_WORKERS))
+        lines.append("%-8s %-6s " % (name, report["wire_route"][name])
+                     + " ".join("%7.2f" % bits[str(w)] for w in WIRE_WORKERS))
     lines.append("load average before/after: %s / %s" % (
         ", ".join("%.2f" % x for x in m["load_average"]),
         ", ".join("%.2f" % x for x in m["load_average_after"])))
