@@ -9,19 +9,16 @@ cdef float _dgc_at(const SparseArgs* a, Py_ssize_t i) noexcept nogil:
     return a.c[i] + (a.momentum * a.u[i] + a.gscale * a.g[i])
 
 
-cdef Py_ssize_t _dgc_pass(const SparseArgs* a, Py_ssize_t lo, Py_ssize_t hi, float thr,
-                          Py_ssize_t* count) noexcept nogil:
+cdef int _dgc_pass(const SparseArgs* a, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
     cdef Py_ssize_t i
-    cdef int hits = 0, bad = 0  # a chunk has at most CHECK_CHUNK elements
+    cdef int bad = 0
     cdef float vel, x
     for i in range(lo, hi):
         vel = a.momentum * a.u[i] + a.gscale * a.g[i]
         x = a.c[i] + vel
         a.u[i] = vel
         a.c[i] = x
-        hits += fabsf(x) >= thr
         bad += not (fabsf(x) <= FLT_MAX)
-    count[0] = hits
     return bad
 
 

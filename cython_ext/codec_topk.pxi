@@ -4,8 +4,8 @@
 # Encode, one call: (0) the read-only NaN/Inf pass over g (dgc with clipping: also the
 # sum of squares of g, per chunk); (1) a threshold, the rank-th largest |c| of a sample
 # (of every element when the tensor is small); (2) per chunk of CHECK_CHUNK elements, c
-# written in place, the elements with |c| >= threshold counted and, while the chunk is in
-# cache, collected (index and value); topk lowers the threshold until at least k pass;
+# written in place and, block by block while in L1, the elements with |c| >= threshold
+# collected (index and value); topk lowers the threshold until at least k pass;
 # (3) the candidates put together in index order; (4) the exact k-th largest |c| among
 # them by a selection (no sort), ties to the lower index; (5) the slot written, and c
 # zeroed where sent (dgc: the velocity too). Chunks are fixed and steps (1), (4) and (5)
@@ -28,6 +28,23 @@ cdef extern from *:
     """
     Py_ssize_t slimgc_position(uint64_t seed, Py_ssize_t j, uint64_t n) noexcept nogil
 
+cdef extern from *:
+    """
+    /* How many of the 16 values c[0..16) have |c| >= thr: one vectorized test of a block. */
+    static inline int slimgc_hits16(const float* c, float thr) {
+        int hits = 0, j;
+        #pragma omp simd reduction(+:hits)
+        for (j = 0; j < 16; j++)
+            hits += fabsf(c[j]) >= thr;
+        return hits;
+    }
+    """
+    int slimgc_hits16(const float* c, float thr) noexcept nogil
+
+
+cdef enum:
+    BLOCK_SPARSE = 512  # elements compensated, then searched for candidates while in L1
+
 
 cdef struct SparseArgs:
     const float* g
@@ -39,10 +56,10 @@ cdef struct SparseArgs:
 
 # c at element i as the compensating pass will compute it, without writing (the sample).
 ctypedef float (*sparse_at_fn)(const SparseArgs* a, Py_ssize_t i) noexcept nogil
-# The compensating pass over [lo, hi): writes c (dgc: and u), puts the count of |c| >= thr
-# in count[0]; returns the count of non-finite c.
-ctypedef Py_ssize_t (*sparse_pass_fn)(const SparseArgs* a, Py_ssize_t lo, Py_ssize_t hi,
-                                      float thr, Py_ssize_t* count) noexcept nogil
+# The compensating pass over [lo, hi) (at most BLOCK_SPARSE elements): writes c (dgc: and
+# u); returns the count of non-finite c.
+ctypedef int (*sparse_pass_fn)(const SparseArgs* a, Py_ssize_t lo,
+                               Py_ssize_t hi) noexcept nogil
 
 
 cdef struct SparseJob:
@@ -66,18 +83,15 @@ cdef float _topk_at(const SparseArgs* a, Py_ssize_t i) noexcept nogil:
     return a.g[i] + a.c[i]
 
 
-cdef Py_ssize_t _topk_pass(const SparseArgs* a, Py_ssize_t lo, Py_ssize_t hi, float thr,
-                           Py_ssize_t* count) noexcept nogil:
+cdef int _topk_pass(const SparseArgs* a, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
     # c = g + r, stored in r (the residual keeps c, zeroed later where sent).
     cdef Py_ssize_t i
-    cdef int hits = 0, bad = 0  # a chunk has at most CHECK_CHUNK elements
+    cdef int bad = 0
     cdef float x
     for i in range(lo, hi):
         x = a.g[i] + a.c[i]
         a.c[i] = x
-        hits += fabsf(x) >= thr
         bad += not (fabsf(x) <= FLT_MAX)
-    count[0] = hits
     return bad
 
 
@@ -100,15 +114,48 @@ cdef Py_ssize_t _count_at_least(const float* c, Py_ssize_t lo, Py_ssize_t hi,
 
 
 cdef Py_ssize_t _collect(const float* c, Py_ssize_t lo, Py_ssize_t hi, float thr,
-                        int64_t* idx, float* val) noexcept nogil:
-    # The elements of [lo, hi) with |c| >= thr, in index order: indices and values.
-    cdef Py_ssize_t i, j = 0
-    for i in range(lo, hi):
-        if fabsf(c[i]) >= thr:
-            idx[j] = i
-            val[j] = c[i]
-            j += 1
-    return j
+                        int64_t* idx, float* val, Py_ssize_t room) noexcept nogil:
+    # The count of elements of [lo, hi) with |c| >= thr; the first `room` of them, in index
+    # order, go to idx and val. Blocks of 16 are tested at once and only those with a hit
+    # are scanned, without branches while there is room for the whole block.
+    cdef Py_ssize_t i = lo, j, found = 0
+    cdef float x
+    while i < hi:
+        if i + 16 <= hi and slimgc_hits16(c + i, thr) == 0:
+            i += 16
+            continue
+        if i + 16 <= hi and found + 16 <= room:
+            for j in range(i, i + 16):
+                x = c[j]
+                idx[found] = j
+                val[found] = x
+                found += fabsf(x) >= thr
+        else:
+            for j in range(i, min(i + 16, hi)):
+                if fabsf(c[j]) >= thr:
+                    if found < room:
+                        idx[found] = j
+                        val[found] = c[j]
+                    found += 1
+        i += 16
+    return found
+
+
+cdef int _compensate_chunk(const SparseJob* job, Py_ssize_t lo, Py_ssize_t hi, float thr,
+                           int64_t* idx, float* val, Py_ssize_t room,
+                           Py_ssize_t* count) noexcept nogil:
+    # Compensate [lo, hi) block by block, each block's candidates collected while it is in
+    # L1 (the first `room` of them); count[0] = all candidates. Returns the non-finite count.
+    cdef Py_ssize_t b0 = lo, b1, found = 0
+    cdef int bad = 0
+    while b0 < hi:
+        b1 = min(b0 + BLOCK_SPARSE, hi)
+        bad += job.compensate(&job.args, b0, b1)
+        found += _collect(job.args.c, b0, b1, thr, idx + min(found, room),
+                          val + min(found, room), max(room - found, 0))
+        b0 = b1
+    count[0] = found
+    return bad
 
 
 cdef float _kth_largest(float* a, float* b, Py_ssize_t m, Py_ssize_t r) noexcept nogil:
@@ -260,8 +307,8 @@ cdef tuple _sparse_run(SparseJob* job, int num_threads):
                 for j in prange(samples, schedule="static", num_threads=team):
                     vals[j] = fabsf(job.at(&job.args, slimgc_position(job.seed, j, n)))
             thr = _sample_threshold(vals, samples, min(rank, samples))
-            # (2) compensate and count; each chunk's candidates are collected at once,
-            # while the chunk is in cache, into room for 1.5 times the expected number
+            # (2) compensate and collect the candidates, block by block while in L1, into
+            # each chunk's room for 1.5 times the expected number
             cap = min(<Py_ssize_t>CHECK_CHUNK,
                       <Py_ssize_t>(1.5 * CHECK_CHUNK * min(rank, samples) / samples) + 256)
             local_idx = <int64_t*>malloc(n_chunks * cap * sizeof(int64_t))
@@ -269,12 +316,10 @@ cdef tuple _sparse_run(SparseJob* job, int num_threads):
             failed = local_idx == NULL or local_val == NULL
             if not failed:
                 for ch in prange(n_chunks, schedule="dynamic", num_threads=team):
-                    lo = ch * CHECK_CHUNK
-                    hi = min(lo + CHECK_CHUNK, n)
-                    flags[ch] = job.compensate(&job.args, lo, hi, thr, &counts[ch])
-                    if counts[ch] <= cap:
-                        _collect(job.args.c, lo, hi, thr, local_idx + ch * cap,
-                                 local_val + ch * cap)
+                    flags[ch] = _compensate_chunk(job, ch * CHECK_CHUNK,
+                                                  min((ch + 1) * CHECK_CHUNK, n), thr,
+                                                  local_idx + ch * cap, local_val + ch * cap,
+                                                  cap, &counts[ch])
                 for ch in range(n_chunks):
                     bad_comp += flags[ch]
                     m += counts[ch]
@@ -310,7 +355,7 @@ cdef tuple _sparse_run(SparseJob* job, int num_threads):
                                counts[ch] * sizeof(float))
                     elif counts[ch]:
                         _collect(job.args.c, ch * CHECK_CHUNK, min((ch + 1) * CHECK_CHUNK, n),
-                                 thr, cand + offsets[ch], cand_val + offsets[ch])
+                                 thr, cand + offsets[ch], cand_val + offsets[ch], counts[ch])
                 # (4) the k largest, (5) the slot
                 sent = _select(cand, cand_val, m, job.k, scratch) if m > job.k else m
                 _write_slot(job, cand, cand_val, sent)

@@ -74,6 +74,17 @@ def test_a_threshold_too_high_is_lowered_until_k_pass():
         [i for i in range(100) if i % 1000][:50]
 
 
+def test_candidates_crowded_into_one_chunk_are_collected_again():
+    # Each chunk of 65536 elements collects its candidates into room for 1.5 times its
+    # share; when the largest values all sit in one chunk, that chunk is scanned again.
+    g = gradient(np.random.default_rng(5), 300_000)
+    g[140_000:150_000] *= 100
+    slot, _, c = _encode_pair(g, {"ratio": 0.02})
+    k = c.capacity(g.size)
+    idx = slot[1 + k:1 + 2 * k].astype(np.int64)
+    assert np.count_nonzero((idx >= 140_000) & (idx < 150_000)) > 5000
+
+
 def test_indices_above_the_lane_bits_travel_in_two_lanes():
     # With 6-bit index lanes a tensor of 4000 elements needs two lanes per index, as one of
     # more than 2**24 does with 24-bit lanes.
