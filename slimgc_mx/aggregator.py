@@ -225,8 +225,9 @@ class Aggregator:
         """Aggregation thread: account, record timings, update glo_buf, publish."""
         self.stats.add(transfer)
         b = transfer.buffers
+        # the link carries the larger direction: a gather pulls N slots
         self.cttab.record(transfer.label, b.nbytes, transfer.compressed, transfer.t_comm,
-                          transfer.t_proc, transfer.wire[1].nbytes)
+                          transfer.t_proc, max(transfer.wire_bytes()))
         published = [(p.key, p.step, p.local) for p in transfer.pushes]
         if transfer.settings is None:
             self.backup.publish(published, partial(_store_sums, transfer))
