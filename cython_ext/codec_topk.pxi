@@ -16,6 +16,7 @@
 
 from libc.math cimport sqrt
 from libc.stdlib cimport malloc
+from libc.string cimport memset
 
 cdef extern from *:
     """
@@ -44,6 +45,7 @@ cdef extern from *:
 
 cdef enum:
     BLOCK_SPARSE = 512  # elements compensated, then searched for candidates while in L1
+    ENTRY_BLOCK = 16384  # slot entries written per work item
 
 
 cdef struct SparseArgs:
@@ -223,18 +225,15 @@ cdef Py_ssize_t _select(int64_t* idx, float* val, Py_ssize_t m, Py_ssize_t k,
     return kept
 
 
-cdef void _write_slot(const SparseJob* job, const int64_t* idx, const float* val,
-                      Py_ssize_t sent) noexcept nogil:
-    # The slot of `sent` entries; the sent elements of c (and u) become 0: error feedback
-    # keeps c - value = 0 there, and dgc masks the velocity where it sent.
+cdef void _write_entries(const SparseJob* job, const int64_t* idx, const float* val,
+                         Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
+    # Slot entries [lo, hi); the sent elements of c (and u) become 0: error feedback keeps
+    # c - value = 0 there, and dgc masks the velocity where it sent.
     cdef Py_ssize_t i, k = job.k
     cdef int64_t x, mask = (<int64_t>1 << job.index_bits) - 1
     cdef bint wide = job.n > (<int64_t>1 << job.index_bits)
     cdef float* s = job.slot
-    for i in range(job.slot_lanes):
-        s[i] = 0.0
-    s[0] = <float>sent
-    for i in range(sent):
+    for i in range(lo, hi):
         x = idx[i]
         s[1 + i] = val[i]
         s[1 + k + i] = <float>(x & mask)
@@ -243,6 +242,17 @@ cdef void _write_slot(const SparseJob* job, const int64_t* idx, const float* val
         job.args.c[x] = 0.0
         if job.args.u != NULL:
             job.args.u[x] = 0.0
+
+
+cdef void _write_slot(const SparseJob* job, const int64_t* idx, const float* val,
+                      Py_ssize_t sent, int num_threads) noexcept nogil:
+    # The slot of `sent` entries, zeros after them; entries in parallel blocks (each
+    # touches its own elements of c and of the slot).
+    cdef Py_ssize_t i, b, n_blocks = _ceil_div(sent, ENTRY_BLOCK)
+    memset(job.slot, 0, job.slot_lanes * sizeof(float))
+    job.slot[0] = <float>sent
+    for b in prange(n_blocks, schedule="static", num_threads=_team(num_threads, n_blocks)):
+        _write_entries(job, idx, val, b * ENTRY_BLOCK, min((b + 1) * ENTRY_BLOCK, sent))
 
 
 cdef tuple _sparse_run(SparseJob* job, int num_threads):
@@ -268,7 +278,7 @@ cdef tuple _sparse_run(SparseJob* job, int num_threads):
     cdef float* scratch = NULL
     job.args.gscale = 1.0
     if n == 0:
-        _write_slot(job, NULL, NULL, 0)
+        _write_slot(job, NULL, NULL, 0, 1)
         return 0, 0, 0, 1.0
     counts = <Py_ssize_t*>calloc(n_chunks, sizeof(Py_ssize_t))
     flags = <Py_ssize_t*>calloc(n_chunks, sizeof(Py_ssize_t))
@@ -358,7 +368,7 @@ cdef tuple _sparse_run(SparseJob* job, int num_threads):
                                  thr, cand + offsets[ch], cand_val + offsets[ch], counts[ch])
                 # (4) the k largest, (5) the slot
                 sent = _select(cand, cand_val, m, job.k, scratch) if m > job.k else m
-                _write_slot(job, cand, cand_val, sent)
+                _write_slot(job, cand, cand_val, sent, num_threads)
     free(counts)
     free(flags)
     free(offsets)
