@@ -299,8 +299,9 @@ def test_clone_and_state_dict(name):
 
 # ------------------------------------------------------------ errors
 def test_registry():
-    assert codecs.available() == ["1bit", "2bit", "4bit", "none"]
-    with pytest.raises(ValueError, match="valid names: '1bit', '2bit', '4bit', 'none'"):
+    assert codecs.available() == ["1bit", "2bit", "4bit", "dgc", "none", "terngrad", "topk"]
+    with pytest.raises(ValueError, match="valid names: '1bit', '2bit', '4bit', 'dgc', 'none', "
+                                         "'terngrad', 'topk'"):
         codecs.create("3bit")
     assert codecs.create("2bit", reference=True).is_reference
     assert not codecs.create("2bit").is_reference
