@@ -62,6 +62,7 @@ class DGC(TopK):
         return 2 * size
 
     def density(self):
+        """The warm-up stage's density (never below ratio), after the warm-up ratio."""
         steps = self.warmup_stage_steps
         if steps and self.pushes < len(STAGES) * steps:
             return max(self.ratio, STAGES[self.pushes // steps])

@@ -146,7 +146,7 @@ class TopK(Codec):
 
     def wire_bits_per_element(self, num_workers):
         """Bits pulled per element: N slots of one value and one index lane per element
-        sent (the push is a 1/N of it; counts and padding left out, and a tensor above
+        sent (the push is 1/N of it; counts and padding left out, and a tensor above
         2**24 elements sends 3 lanes per entry, not 2)."""
         return 64.0 * self.ratio * check_num_workers(num_workers)
 
