@@ -26,8 +26,7 @@ def encode_dgc(const float[::1] grad, float[::1] memory, float[::1] slot, Py_ssi
                uint64_t seed, Py_ssize_t samples, Py_ssize_t rank, float momentum, double clip,
                int index_bits, int num_threads, bint grad_checked=False):
     """dgc: memory = [v | u] (2n); at most k entries of largest |v| above the sampled
-    threshold into `slot`. Returns (non-finite grad count, non-finite v count, entries
-    sent, the clipping factor of g)."""
+    threshold into `slot`. Returns as encode_topk, with the clipping factor of g."""
     cdef Py_ssize_t n = grad.shape[0]
     if memory.shape[0] != 2 * n:
         raise ValueError("memory has %d elements, needs 2 * %d" % (memory.shape[0], n))

@@ -274,9 +274,8 @@ cdef void _write_slot(const SparseJob* job, const int64_t* idx, const float* val
 
 
 cdef tuple _sparse_run(SparseJob* job, int num_threads):
-    """Steps (0)-(5). Returns (non-finite g count, non-finite c count, entries sent, the
-    clipping factor): nothing is written when the first is not 0; c (and u) are written,
-    the slot is not, when the second is not 0."""
+    """Steps (0)-(5): (non-finite g count, non-finite c count, entries sent, clipping factor);
+    a first count > 0 wrote nothing, a second wrote c (and u) but not the slot."""
     cdef Py_ssize_t n = job.n, n_chunks = _ceil_div(n, CHECK_CHUNK)
     cdef Py_ssize_t ch, j, lo, hi, m = 0, bad = 0, bad_comp = 0, sent = 0, rank = job.rank
     cdef Py_ssize_t samples = min(job.samples, n), cap
@@ -506,11 +505,8 @@ cdef void _scatter(const float* gathered, const int64_t* idx, const Py_ssize_t* 
 
 def decode_topk(const float[::1] gathered, float[::1] out, Py_ssize_t slot_lanes, Py_ssize_t k,
                 int index_bits, int num_workers, int num_threads):
-    """out = the sum of every worker's entries (workers side by side in `gathered`, each in
-    rank order per element). Returns (0, 0), or (rank, problem) of the first bad slot, with
-    nothing written: problem 1 a count not an integer in [0, k], 2 an index lane not an
-    integer below 2**index_bits, 3 indices not increasing or not below len(out), 4 a
-    non-finite value."""
+    """out = the sum of every worker's entries (slots side by side, added in rank order).
+    Returns (0, 0), or (rank, problem) of the first bad slot (_parse_slot), out unwritten."""
     cdef Py_ssize_t n = out.shape[0], w, ch, n_chunks = _ceil_div(n, CHECK_CHUNK)
     cdef bint wide = n > (<int64_t>1 << index_bits)
     if num_workers < 1 or not 1 <= index_bits <= 31 or k < 0 \

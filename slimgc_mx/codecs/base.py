@@ -267,9 +267,8 @@ class Codec:
         return [("sum", (n,), (n,), self.wire_dtype)]
 
     def push_rounds(self, size, num_workers):
-        """Indices into wire_rounds() of the exchanges of the next push, in order: every
-        round by default. A codec that declares alternatives (a slot size per stage of a
-        schedule) picks here, from shared state only, so that every worker picks alike."""
+        """Indices into wire_rounds() of the next push's exchanges, in order (default: all);
+        a function of shared state only, so that every worker picks alike (dgc's stages)."""
         return tuple(range(self.rounds))
 
     def next_round(self, done, result, send, num_workers):

@@ -145,9 +145,8 @@ class TopK(Codec):
         return self._slot(size)[1]
 
     def wire_bits_per_element(self, num_workers):
-        """Bits pulled per element: N slots of one value and one index lane per element
-        sent (the push is 1/N of it; counts and padding left out, and a tensor above
-        2**24 elements sends 3 lanes per entry, not 2)."""
+        """Bits pulled per element: N slots of a value and an index lane per element sent
+        (the push is 1/N of it; counts, padding and the lanes above 2**24 left out)."""
         return 64.0 * self.ratio * check_num_workers(num_workers)
 
     def _gather_round(self, slot, num_workers):
@@ -162,10 +161,8 @@ class TopK(Codec):
 
     # ------------------------------------------------------------ encode / decode
     def encode(self, grad, residual, num_workers, out=None, grad_checked=False, rank=0):
-        """Select, write this worker's slot and update `residual` (memory_size(n) float32)
-        in place. NaN/Inf in grad raise NonFiniteGradientError before anything is written
-        (unless grad_checked); a non-finite compensated value raises it after the
-        residual was written. rank is not needed: the gather route places the slot."""
+        """Select, write this worker's slot, update `residual` (memory_size(n) float32) in
+        place; NaN/Inf raise NonFiniteGradientError as for the lane codecs (docs/codecs.md)."""
         n_workers = check_num_workers(num_workers)
         check_vector("grad", grad, np.float32)
         size = check_size(grad.shape[0])

@@ -149,11 +149,8 @@ class DistTransport(Transport):
         self._gathers[wire_key] = (mine, every, (total, cols))
 
     def gather(self, wire_key, send, recv, priority=0):
-        """Push this worker's whole slot, pull every row; returns without waiting.
-
-        The slot is copied into the pushed row_sparse array before this returns, so `send`
-        may be written again; the pulled rows reach `recv` through an engine operator
-        (reading `.data` of the pulled array would block until the round is done)."""
+        """Push this worker's whole slot (copied: `send` may be written again), pull every
+        row into `recv` by an engine operator, so that nothing waits for the round here."""
         mine, every, shape = self._gathers[wire_key]
         data = send.nd.reshape(-1, shape[1])
         self._kv.push(wire_key, mx.nd.sparse.row_sparse_array((data, mine), shape=shape),
