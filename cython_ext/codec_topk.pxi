@@ -8,8 +8,9 @@
 # collected (index and value); topk lowers the threshold until at least k pass;
 # (3) the candidates put together in index order; (4) the exact k-th largest |c| among
 # them by a selection (no sort), ties to the lower index; (5) the slot written, and c
-# zeroed where sent (dgc: the velocity too). Chunks are fixed and steps (1), (4) and (5)
-# run on one thread, so 1 and N threads give the same bits.
+# zeroed where sent (dgc: the velocity too). Work is split only at fixed bounds (samples,
+# chunks, blocks of entries) and the selections run on one thread, so 1 and N threads
+# give the same bits.
 #
 # Slot (float32 lanes): [count | k values | k index lanes (| k high index lanes)], zeros
 # after `count` entries; an index i travels as i mod 2**bits (and i >> bits).
