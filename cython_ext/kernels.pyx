@@ -311,6 +311,8 @@ include "codec_4bit.pxi"
 include "codec_terngrad.pxi"
 include "codec_randomk.pxi"
 include "codec_powersgd.pxi"
+include "codec_topk.pxi"
+include "codec_dgc.pxi"
 
 
 # ---------------------------------------------------------------- decoder

@@ -79,6 +79,7 @@ class Aggregator:
         Collective: every worker's optimizer must have the same class and settings.
         """
         check_loc_optimizer(self.config.loc_optimizer)
+        check_momentum(self.codec, optimizer)
         agreement.check(self.transport, optimizer_settings(optimizer), what="optimizer settings")
         self.update = GlobalUpdate(optimizer, self.config.num_threads)
         self._local = None
@@ -209,11 +210,12 @@ class Aggregator:
         b = transfer.buffers
         if transfer.compressed and b.device is not None:
             # Offload off: encode with NDArray ops on the gradient's own context, in line.
+            send = transfer.exchange.send
             try:
-                b.device.encode_key(b, grad, self.num_workers, self.transport.rank)
+                b.device.encode_key(b, grad, self.num_workers, self.transport.rank, send)
                 b.residual_pending = True
             except codecs.NonFiniteGradientError:
-                mark_nonfinite(b.bit_buf.for_write(), self.transport.rank)
+                mark_nonfinite(send.for_write(), self.transport.rank)
                 transfer.nonfinite = True
         self.pipeline.submit(transfer)
 
@@ -231,8 +233,9 @@ class Aggregator:
         """Aggregation thread: account, record timings, update glo_buf, publish."""
         self.stats.add(transfer)
         b = transfer.buffers
+        # the link carries the larger direction: a gather pulls N slots
         self.cttab.record(transfer.label, b.nbytes, transfer.compressed, transfer.t_comm,
-                          transfer.t_proc, transfer.wire_bytes)
+                          transfer.t_proc, max(transfer.wire_bytes()))
         published = [(p.key, p.step, p.local) for p in transfer.pushes]
         if transfer.settings is None:
             self.backup.publish(published, partial(_store_sums, transfer))
@@ -290,10 +293,23 @@ class Aggregator:
         self.backup.close()
 
 
+def check_momentum(codec, optimizer):
+    """Refuse an optimizer with momentum under a codec that applies momentum itself (dgc's
+    momentum correction accumulates the velocity before sparsifying), naming the fix."""
+    momentum = getattr(optimizer, "momentum", 0.0) or 0.0
+    if codec is not None and codec.owns_momentum and momentum:
+        raise ValueError(
+            "codec %r applies momentum itself, so the optimizer's momentum must be 0, got "
+            "momentum=%r: create the optimizer with momentum=0 and give the codec's own option "
+            "instead, e.g. compression_params={'type': %r, 'momentum': %r}"
+            % (codec.name, momentum, codec.name, momentum))
+
+
 def report(agg, compressor, pieces):
     """What SlimGC.stats() returns; zeros before the first key.
 
-    bytes_pushed / bytes_pulled: bytes on the wire each direction, against bytes_fp32;
+    bytes_pushed / bytes_pulled: bytes on the wire each direction, against bytes_fp32 (a
+    gathering codec pulls every worker's slot: N times what it pushes);
     comm_s: transfer time summed over keys (transfers overlap each other);
     compress_s: encode + decode time (decoding fused into the SGD kernel's update
     after warm-up is not in it); blocked_s: time the training thread waited
@@ -312,7 +328,7 @@ def report(agg, compressor, pieces):
         "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
         "comm_threshold_phase": cttab.phase if cttab else None,
         "bytes_pushed": c.wire,
-        "bytes_pulled": c.wire,
+        "bytes_pulled": c.pulled,
         "bytes_fp32": c.fp32,
         "transfers": c.transfers,
         "compressed_transfers": c.compressed_transfers,

@@ -85,8 +85,9 @@ def _check(fname, state, agg):
                                                   agg.num_workers, sorted(map(repr, keys))))
     for key, b in keys.items():
         saved, glo = state["keys"][key], state["backup"][key]["glo_buf"]
+        memory = b.codec.memory_size(b.size) if b.codec is not None else b.size
         if np.size(glo) != b.size or saved["residual"] is not None and (
-                np.size(saved["residual"]) != b.size):
+                np.size(saved["residual"]) != memory):
             raise ValueError("checkpoint %s: key %r holds %d values, this job's has shape %s: "
                              "a checkpoint of another model" % (fname, key, np.size(glo),
                                                                 b.shape))

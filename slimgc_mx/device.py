@@ -68,13 +68,13 @@ class DeviceCodec:
     def __repr__(self):
         return "DeviceCodec(%r)" % (self.codec,)
 
-    def encode_key(self, b, grad, num_workers, rank):
-        """Encode key buffers `b`'s gradient `grad` (an NDArray) into its bit_buf."""
-        self.encode(grad, b.residual.nd, num_workers, out=b.bit_buf.nd)
+    def encode_key(self, b, grad, num_workers, rank, send):
+        """Encode key buffers `b`'s gradient `grad` (an NDArray) into `send` (its bit_buf)."""
+        self.encode(grad, b.residual.nd, num_workers, out=send.nd)
 
-    def decode_key(self, b, num_workers):
-        """Decode key buffers `b`'s summed lanes into its agg; waits for the result."""
-        self.decode(b.bit_sum.nd, b.size, num_workers, out=b.agg.nd)
+    def decode_key(self, b, num_workers, recv):
+        """Decode the summed lanes in `recv` (its bit_sum) into its agg; waits for the result."""
+        self.decode(recv.nd, b.size, num_workers, out=b.agg.nd)
         b.agg.for_read()
 
     # ------------------------------------------------------------ constants
@@ -231,10 +231,9 @@ class InlineCodec:
     def __repr__(self):
         return "InlineCodec(%r)" % (self.codec,)
 
-    def encode_key(self, b, grad, num_workers, rank):
+    def encode_key(self, b, grad, num_workers, rank, send):
         self.codec.encode(b.grad_buf.for_read(), b.residual.for_write(), num_workers,
-                          out=b.bit_buf.for_write(), rank=rank)
+                          out=send.for_write(), rank=rank)
 
-    def decode_key(self, b, num_workers):
-        self.codec.decode(b.rounds[-1].recv.for_read(), b.size, num_workers,
-                          out=b.agg.for_write())
+    def decode_key(self, b, num_workers, recv):
+        self.codec.decode(recv.for_read(), b.size, num_workers, out=b.agg.for_write())

@@ -34,7 +34,8 @@ class KeyBuffers:
     bit_buf   the codec's lanes for this worker (the compressed route)
     bit_sum   the lanes summed over workers
     agg       float32 sum over workers of the gradient (pulled, or decoded from bit_sum)
-    residual  the codec's error-feedback memory
+    residual  the codec's error-feedback memory (Codec.memory_size: the residual, then any
+              further per-worker state)
     device    a DeviceCodec when encoding runs as NDArray ops (offload off), else None
     wire      the transport's wire keys of this key (transport.keys.KeyWire)
     """
@@ -51,7 +52,7 @@ class KeyBuffers:
         self.device = None
         self.residual_pending = False  # the residual may hold error feedback not yet sent
         if codec is not None:
-            self.residual = make_buffer((size,), np.float32)
+            self.residual = make_buffer((codec.memory_size(size),), np.float32)
             self.rounds = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
                            for route, send, recv, dtype in codec.wire_rounds(
                                size, self.shape, num_workers)]

@@ -12,8 +12,8 @@ import logging
 import mxnet as mx
 from mxnet.kvstore import KVStoreBase
 
-from . import checkpoint, env, mxnet_hooks, shutdown
-from .aggregator import Aggregator, report
+from . import checkpoint, codecs, env, mxnet_hooks, shutdown
+from .aggregator import Aggregator, check_momentum, report
 from .config import SlimGCConfig
 from .transport import create_transport
 
@@ -89,6 +89,9 @@ class SlimGC(KVStoreBase):
 
     def set_optimizer(self, optimizer):
         """Run `optimizer` on the aggregated gradients, on every worker."""
+        if self._agg is None and self.config.compressor != "none":  # else the aggregator checks
+            check_momentum(codecs.create(self.config.compressor, **self.config.codec_options),
+                           optimizer)
         self._optimizer = optimizer
         if self._agg is not None:
             self._agg.set_optimizer(optimizer)

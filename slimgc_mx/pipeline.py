@@ -66,7 +66,8 @@ class Transfer:
     t_comm: Optional[float] = None
     t_proc: float = 0.0  # encode + decode seconds
     nonfinite: bool = False  # this worker's gradient held NaN/Inf: it sends NaN
-    round: int = 0  # the exchange under way, for codecs with several per step
+    plan: tuple = (0,)  # compressed: the key's rounds this push exchanges (Codec.push_rounds)
+    round: int = 0  # the exchange under way: a position in `plan`
 
     def ready_array(self):
         """The NDArray the transfer waits for before it enters (its producer's output)."""
@@ -74,30 +75,34 @@ class Transfer:
         if self.check is not None:
             return self.check.ready
         if self.compressed and b.device is not None:
-            return b.bit_buf.nd  # encoded by NDArray ops queued on the training thread
+            return self.exchange.send.nd  # encoded on the training thread
         return b.grad_buf.nd
+
+    @property
+    def exchange(self):
+        """The grad_buf.WireRound under way (compressed transfers)."""
+        return self.buffers.rounds[self.plan[self.round]]
 
     @property
     def wire(self):
         """(wire key, what is sent, where the result lands) of its route and round."""
         b = self.buffers
         if self.compressed:
-            r = b.rounds[self.round]
+            r = self.exchange
             return r.key, r.send, r.recv
         return b.wire.fp, b.fp_buf, b.agg
 
     @property
-    def wire_bytes(self):
-        """Bytes this transfer sends, every round of its route (the result comes back as
-        many, or N times as many for a gathering round)."""
-        if self.compressed:
-            return sum(r.send.nbytes for r in self.buffers.rounds)
-        return self.buffers.fp_buf.nbytes
-
-    @property
     def gathers(self):
         """True when this round's result is every worker's slot side by side, not a sum."""
-        return self.compressed and self.buffers.rounds[self.round].route == "gather"
+        return self.compressed and self.exchange.route == "gather"
+
+    def wire_bytes(self):
+        """(bytes pushed, bytes pulled) over all its exchanges: a gather pulls N slots."""
+        if not self.compressed:
+            return self.buffers.fp_buf.nbytes, self.buffers.agg.nbytes
+        rounds = [self.buffers.rounds[i] for i in self.plan]
+        return sum(r.send.nbytes for r in rounds), sum(r.recv.nbytes for r in rounds)
 
 
 class Pipeline:
@@ -203,11 +208,11 @@ class Pipeline:
                 t.nonfinite = True
         elif b.device is not None:
             t0 = time.perf_counter()
-            b.bit_buf.for_read()  # encoded by NDArray ops queued on the training thread
+            t.exchange.send.for_read()  # encoded on the training thread
             t.t_proc += time.perf_counter() - t0
         else:
             grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
-                                     b.bit_buf.for_write())
+                                     t.exchange.send.for_write())
             checked = t.check is not None and t.check.nonfinite == 0
             t0 = time.perf_counter()
             try:
@@ -252,11 +257,11 @@ class Pipeline:
             return True
         if t.compressed and b.device is not None:
             t0 = time.perf_counter()
-            b.device.decode_key(b, n)
+            b.device.decode_key(b, n, t.exchange.recv)
             b.agg.for_read()
             t.t_proc += time.perf_counter() - t0
         elif t.compressed and not t.decode_in_update:
-            lanes, agg = b.rounds[-1].recv.for_read(), b.agg.for_write()
+            lanes, agg = t.exchange.recv.for_read(), b.agg.for_write()
             t0 = time.perf_counter()
             b.codec.decode(lanes, b.size, n, out=agg)
             t.t_proc += time.perf_counter() - t0
@@ -278,9 +283,9 @@ class Pipeline:
                     t.label, t.step, "worker rank %d" % sender if sender is not None
                     else "a worker this sum does not name (an overflow, or a NaN no check saw)",
                     "did" if t.nonfinite else "was finite"))
-        if not (t.compressed and t.round + 1 < b.codec.rounds):
+        if not (t.compressed and t.round + 1 < len(t.plan)):
             return False
-        nxt = b.rounds[t.round + 1].send
+        nxt = b.rounds[t.plan[t.round + 1]].send
         t0 = time.perf_counter()
         b.codec.next_round(t.round, values, nxt.for_write(), n)
         t.t_proc += time.perf_counter() - t0
@@ -289,12 +294,13 @@ class Pipeline:
 
 
 def _flush_residual(b):
-    """grad_buf += residual, residual = 0: the key left the compressed route, and the error
-    feedback it kept goes out with this full-precision push (codecs/feedback.py)."""
+    """grad_buf += residual, memory = 0: the key left the compressed route, and the error
+    feedback it kept goes out with this full-precision push (codecs/feedback.py); further
+    per-worker state after the residual (dgc's velocity) starts again from zero."""
     grad = b.grad_buf.for_write()
-    residual = b.residual.for_write()
-    np.add(grad, residual, out=grad)
-    residual.fill(0)
+    memory = b.residual.for_write()
+    np.add(grad, memory[:grad.size], out=grad)
+    memory.fill(0)
     b.residual_pending = False
 
 
@@ -327,7 +333,8 @@ def nonfinite_sender(array, num_workers):
 class TransferStats:
     """Bytes and seconds of the finished transfers (each counted once, pushed and pulled)."""
 
-    wire: int = 0  # bytes sent, each direction (the sum comes back at the same size)
+    wire: int = 0  # bytes pushed
+    pulled: int = 0  # bytes pulled: as many as pushed for a sum, N slots for a gather
     fp32: int = 0  # bytes the same gradients would be in float32
     comm_s: float = 0.0
     compress_s: float = 0.0
@@ -335,7 +342,9 @@ class TransferStats:
     compressed_transfers: int = 0
 
     def add(self, t):
-        self.wire += t.wire_bytes
+        pushed, pulled = t.wire_bytes()
+        self.wire += pushed
+        self.pulled += pulled
         self.fp32 += t.buffers.nbytes
         self.comm_s += t.t_comm
         self.compress_s += t.t_proc

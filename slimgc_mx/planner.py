@@ -265,9 +265,13 @@ class Planner:
         # sum tile by tile inside its update: the aggregate never goes to memory.
         decode_in_update = (compressed and not serial and settings is not None
                             and decodes_in_update(b))
+        # The codec's state is that of the key's last decoded push (the caller waited for
+        # it), the same on every worker, so every worker exchanges the same rounds.
+        plan = tuple(b.codec.push_rounds(b.size, self.transport.num_workers)) if compressed \
+            else (0,)
         return Transfer(b, push.step, [push], settings, self.label(push.key), compressed,
                         priority=push.priority, serial=serial,
-                        decode_in_update=decode_in_update, check=check)
+                        decode_in_update=decode_in_update, check=check, plan=plan)
 
     # -- fused buckets ---------------------------------------------------------------------
     def bucket(self, key):

@@ -23,6 +23,7 @@ def main():
     p.add_argument("--no-backup", action="store_true")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--record-lanes", action="store_true",
                    help="save every compressed transfer's sent and summed lanes")
     p.add_argument("--out", required=True)
@@ -48,7 +49,7 @@ def main():
                        "comm_threshold": ct if ct in ("auto", "off") else int(ct),
                        "warmup_steps": 4}
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": args.lr,
-                                                          "momentum": 0.9},
+                                                          "momentum": args.momentum},
                             kvstore=kv, compression_params=compression)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     for step in range(args.steps):

@@ -27,6 +27,11 @@ def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
         assert set(report["wire_bits"][name]) == {"1", "2", "4", "8", "16", "32"}
     assert report["wire_bits"]["2bit"]["1"] == pytest.approx(64 / 33)
     assert report["wire_bits"]["powersgd"]["32"] == pytest.approx(32 * 4 * 150 / 5000)
+    # a gathering codec's pull grows with N
+    assert report["wire_route"] == {name: "gather" if name in ("topk", "dgc") else "sum"
+                                    for name in codecs.available()}
+    topk_bits = report["wire_bits"]["topk"]
+    assert topk_bits["32"] == pytest.approx(32 * topk_bits["1"])
     table = capsys.readouterr().out
     assert "memcpy" in table and "2bit" in table and "wire bits" in table
 

@@ -16,6 +16,7 @@ from mxnet import gluon
 
 import slimgc_mx
 import training_helpers as th
+from codec_contract import combine
 from slimgc_mx import codecs, sgd
 from slimgc_mx.codecs.rng import key_seed
 from slimgc_mx.backup import BackupTimeout
@@ -72,48 +73,58 @@ def test_none_codec_single_worker_matches_plain_trainer(backup):
 
 
 # ---------------------------------------------------------------- aggregation
-@pytest.mark.parametrize("name, offload", [("none", True), ("1bit", True), ("2bit", True),
-                                           ("4bit", True), ("2bit", False), ("4bit", False),
-                                           ("terngrad", True), ("terngrad", False)])
-def test_allreduce_over_threads_equals_the_codec_reference(name, offload):
+@pytest.mark.parametrize("name, offload, options", [
+    ("none", True, {}), ("1bit", True, {}), ("2bit", True, {}), ("4bit", True, {}),
+    ("2bit", False, {}), ("4bit", False, {}), ("terngrad", True, {}), ("terngrad", False, {}),
+    ("topk", True, {"ratio": 0.05}), ("topk", False, {"ratio": 0.05}),
+    ("dgc", True, {"ratio": 0.01, "warmup_stage_steps": 1}),
+    ("dgc", False, {"ratio": 0.01, "warmup_stage_steps": 1})])
+def test_allreduce_over_threads_equals_the_codec_reference(name, offload, options):
     """Without an optimizer pushpull returns the summed (decoded) gradient, exactly.
 
     offload=False encodes with NDArray ops on the gradient's context instead (a codec
-    without them: its CPU kernel on the training thread).
+    without them: its CPU kernel on the training thread). topk and dgc gather every
+    worker's slot; dgc's warm-up moves through a gather key per stage.
     """
-    n, size, steps = 3, 5000, 3
+    n, size, steps = 3, 5000, 6
     rng = np.random.RandomState(7)
     grads = rng.randn(steps, n, size).astype(np.float32)
 
     def worker(rank, transport):
         kv = SlimGC(transport=transport, compressor=name, comm_threshold="off", backup=False,
-                    offload=offload)
+                    offload=offload, **options)
         kv.init(0, mx.nd.zeros(size))
         outs = []
         for s in range(steps):
             out = mx.nd.zeros(size)
             kv.pushpull(0, mx.nd.array(grads[s, rank]), out=out)
             outs.append(out.asnumpy())
+        stats = kv.stats()
         kv.close()
-        return outs
+        return outs, stats
 
     results = th.in_threads(n, worker)
-    ref = codecs.create(name, reference=True) if name != "none" else None
+    ref = codecs.create(name, reference=True, **options) if name != "none" else None
     if ref is not None:
         ref.seed = key_seed(0, 0)  # what the kvstore gives key #0 of a job with seed 0
-    residuals = [np.zeros(size, np.float32) for _ in range(n)]
+        memories = [np.zeros(ref.memory_size(size), np.float32) for _ in range(n)]
+    pushed = pulled = 0
     for s in range(steps):
         if ref is None:
             expected = grads[s].sum(axis=0)
         else:
-            lanes = sum(ref.encode(grads[s, r], residuals[r], n, rank=r).astype(np.float64)
-                        for r in range(n))
-            expected = ref.decode(lanes, size, n)
+            wires = [ref.encode(grads[s, r], memories[r], n, rank=r) for r in range(n)]
+            total = combine(ref, wires, range(n), n)  # summed, or gathered side by side
+            pushed, pulled = pushed + wires[0].nbytes, pulled + total.nbytes
+            expected = ref.decode(total, size, n)
         for r in range(n):
             if name == "none":
-                np.testing.assert_allclose(results[r][s], expected, rtol=1e-6, atol=1e-6)
+                np.testing.assert_allclose(results[r][0][s], expected, rtol=1e-6, atol=1e-6)
             else:
-                np.testing.assert_array_equal(results[r][s], expected)
+                np.testing.assert_array_equal(results[r][0][s], expected)
+    if ref is not None:
+        stats = results[0][1]
+        assert (stats["bytes_pushed"], stats["bytes_pulled"]) == (pushed, pulled)
 
 
 @pytest.mark.parametrize("backup", [True, False])

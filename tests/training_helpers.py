@@ -72,14 +72,15 @@ def in_threads(num_workers, fn):
     return results
 
 
-def slimgc_workers(num_workers, make_net, data, sgd_class=mx.optimizer.SGD, **options):
+def slimgc_workers(num_workers, make_net, data, sgd_class=mx.optimizer.SGD, momentum=0.9,
+                   **options):
     """Train make_net() on num_workers threads through SlimGC(**options) and SGD (lr 0.1,
-    momentum 0.9), worker r on data[r::num_workers] twice; [(weights, stats)] per rank."""
+    `momentum`), worker r on data[r::num_workers] twice; [(weights, stats)] per rank."""
     def worker(rank, transport):
         net = make_net()
         kv = SlimGC(transport=transport, **options)
         trainer = gluon.Trainer(net.collect_params(),
-                                sgd_class(learning_rate=0.1, momentum=0.9), kvstore=kv)
+                                sgd_class(learning_rate=0.1, momentum=momentum), kvstore=kv)
         train(trainer, net, data[rank::num_workers] * 2)
         slimgc_mx.flush(trainer)
         stats = kv.stats()

@@ -111,9 +111,9 @@ def bench_codec(name, args, grad, n_threads):
                         ("reference_", dict(reference=True))):
         c = codecs.create(name, threshold=threshold, **impl)
         rounds = c.wire_rounds(n, bench_shape(c, n), n_workers)
-        sends = [np.empty(send, dtype) for _, send, _, dtype in rounds]
-        recvs = [np.empty(recv, dtype) for _, _, recv, dtype in rounds]
-        residual = np.zeros(n, np.float32)
+        sends = [np.empty(int(np.prod(send)), dtype) for _, send, _, dtype in rounds]
+        recvs = [np.empty(int(np.prod(recv)), dtype) for _, _, recv, dtype in rounds]
+        residual = np.zeros(c.memory_size(n), np.float32)
         out = np.empty(n, np.float32)
         repeat = args.reference_repeat if impl.get("reference") else args.repeat
 
@@ -133,6 +133,11 @@ def bench_codec(name, args, grad, n_threads):
         result[keys[0] + "_elems_per_s"], result[keys[0] + "_median_elems_per_s"] = enc
         result[keys[1] + "_elems_per_s"], result[keys[1] + "_median_elems_per_s"] = dec
     return result
+
+
+def gathers(codec, size, num_workers):
+    """True when the codec's wire is every worker's slot side by side, not a sum."""
+    return codec.wire_rounds(size, bench_shape(codec, size), num_workers)[0][0] == "gather"
 
 
 def run(args):
@@ -155,6 +160,7 @@ def run(args):
         "memcpy_median_elems_per_s": memcpy[1],
         "codecs": {},
         "wire_bits": {},
+        "wire_route": {},
     }
     for name in args.codecs:
         r = bench_codec(name, args, grad, n_threads)
@@ -168,6 +174,7 @@ def run(args):
         c.wire_rounds(args.size, shape, 1)  # a codec whose wire depends on the shape learns it
         report["params"]["shapes"][name] = list(shape)
         report["wire_bits"][name] = {str(w): c.wire_bits_per_element(w) for w in WIRE_WORKERS}
+        report["wire_route"][name] = "gather" if gathers(c, args.size, 1) else "sum"
     report["machine"]["load_average_after"] = list(os.getloadavg())
     return report
 
@@ -192,10 +199,13 @@ def format_table(report):
         if len(shape) > 1:
             lines.append("%s: a %s matrix; encode includes every round before decode"
                          % (name, "x".join(map(str, shape))))
-    lines += ["", "wire bits per element, each direction (N workers):",
-              "%-9s " % "codec" + " ".join("%7s" % ("N=" + w) for w in map(str, WIRE_WORKERS))]
+    lines += ["", "wire bits per element (N workers): each direction for a sum; a gather "
+              "pulls what is shown and pushes 1/N of it:",
+              "%-9s %-6s " % ("codec", "route")
+              + " ".join("%7s" % ("N=" + w) for w in map(str, WIRE_WORKERS))]
     for name, bits in report["wire_bits"].items():
-        lines.append("%-9s " % name + " ".join("%7.2f" % bits[str(w)] for w in WIRE_WORKERS))
+        lines.append("%-9s %-6s " % (name, report["wire_route"][name])
+                     + " ".join("%7.2f" % bits[str(w)] for w in WIRE_WORKERS))
     lines.append("load average before/after: %s / %s" % (
         ", ".join("%.2f" % x for x in m["load_average"]),
         ", ".join("%.2f" % x for x in m["load_average_after"])))

@@ -160,6 +160,8 @@ class Codec:
     feedback = ErrorFeedback()
     is_reference = False
     stochastic = False
+    #: The codec applies momentum itself (dgc's momentum correction): the optimizer's must be 0.
+    owns_momentum = False
 
     def __init__(self, threshold=None, num_threads=None, **options):
         threshold = check_threshold(threshold, self.name)
@@ -231,6 +233,11 @@ class Codec:
         self.pushes = int(state.get("pushes", 0))
 
     # ------------------------------------------------------------ the wire (per family)
+    def memory_size(self, size):
+        """Length of this worker's error-feedback memory (`residual`) for `size` elements: the
+        residual itself, first, and any further per-worker state after it (dgc's velocity)."""
+        return size
+
     def lane_count(self, size, num_workers):
         """Length of the wire array for `size` elements."""
         raise NotImplementedError
@@ -259,9 +266,15 @@ class Codec:
     rounds = 1
 
     def wire_rounds(self, size, shape, num_workers):
-        """[(route, send shape, receive shape, dtype)] per round; route 'sum' or 'gather'."""
+        """[(route, send shape, receive shape, dtype)] of every exchange the codec may use;
+        route 'sum' or 'gather'. The kvstore declares one wire key per entry."""
         n = max(1, self.lane_count(size, num_workers))
         return [("sum", (n,), (n,), self.wire_dtype)]
+
+    def push_rounds(self, size, num_workers):
+        """Indices into wire_rounds() of the next push's exchanges, in order (default: all);
+        a function of shared state only, so that every worker picks alike (dgc's stages)."""
+        return tuple(range(self.rounds))
 
     def next_round(self, done, result, send, num_workers):
         """After round `done` came back as `result`, write round done+1's payload to `send`."""

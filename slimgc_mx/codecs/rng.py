@@ -24,12 +24,25 @@ def key_seed(job_seed, key_index):
     return mix64(mix64(job_seed) + key_index + 1)
 
 
-def uniform(seed, start, count):
-    """float32 uniforms of elements start .. start+count-1 of the push keyed by `seed`."""
+def bits(seed, start, count):
+    """uint64 draws of elements start .. start+count-1 of the push keyed by `seed`."""
     with np.errstate(over="ignore"):
         e = np.arange(start, start + count, dtype=np.uint64)
         x = np.uint64(seed) + e * np.uint64(_GOLDEN)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
+        return x ^ (x >> np.uint64(31))
+
+
+def uniform(seed, start, count):
+    """float32 uniforms of elements start .. start+count-1 of the push keyed by `seed`."""
+    x = bits(seed, start, count)
     return (x >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def positions(seed, count, n):
+    """`count` element indices uniform in [0, n) (n < 2**32) keyed by `seed`: the high 32
+    bits of each draw times n, shifted down (the kernels' slimgc_position)."""
+    x = bits(seed, 0, count)
+    with np.errstate(over="ignore"):
+        return (((x >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)).astype(np.int64)

@@ -149,13 +149,15 @@ class DistTransport(Transport):
         self._gathers[wire_key] = (mine, every, (total, cols))
 
     def gather(self, wire_key, send, recv, priority=0):
+        """Push this worker's whole slot (copied: `send` may be written again), pull every
+        row into `recv` by an engine operator, so that nothing waits for the round here."""
         mine, every, shape = self._gathers[wire_key]
         data = send.nd.reshape(-1, shape[1])
         self._kv.push(wire_key, mx.nd.sparse.row_sparse_array((data, mine), shape=shape),
                       priority=priority)
         pulled = mx.nd.sparse.zeros("row_sparse", shape, dtype=send.nd.dtype)
         self._kv.row_sparse_pull(wire_key, out=pulled, row_ids=every, priority=priority)
-        pulled.data.reshape(recv.nd.shape).copyto(recv.nd)
+        mx.nd.cast_storage(pulled, stype="default", out=recv.nd.reshape(shape))
         return TransferHandle(recv)
 
     def broadcast(self, wire_key, buf):
