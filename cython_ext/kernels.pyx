@@ -52,14 +52,16 @@ cdef extern from *:
     """
     /* The counter-based generator of stochastic rounding: a uniform float in [0, 1) for
        element e of the push keyed by `seed` (SplitMix64's finalizer of seed + e * golden
-       ratio). Any thread, any order: the same number (slimgc_mx/codecs/rng.py mirrors it). */
+       ratio). Any thread, any order: the same number (slimgc_mx/codecs/rng.py mirrors it).
+       The 24 bits convert through int32, the same value: x86-64 has no SSE instruction for
+       uint64 -> float, and the compiler's branchy sequence cost more than the hash. */
     static inline uint64_t slimgc_mix(uint64_t x) {
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
         x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
         return x ^ (x >> 31);
     }
     static inline float slimgc_uniform(uint64_t seed, int64_t e) {
-        return (float)(slimgc_mix(seed + (uint64_t)e * 0x9E3779B97F4A7C15ULL) >> 40)
+        return (float)(int32_t)(slimgc_mix(seed + (uint64_t)e * 0x9E3779B97F4A7C15ULL) >> 40)
                * 5.9604644775390625e-08f;
     }
     """
