@@ -63,6 +63,16 @@ def _decode_rows(radix, m, scale, a, b, num_workers):
     return rows
 
 
+def pack_lanes(levels, out, radix, k):
+    """out[:ceil(n/k)] = sum_j q_j * R**j over each lane's k levels (int64 `levels`, n of them)."""
+    n = levels.shape[0]
+    n_lanes = -(-n // k)
+    digits = np.zeros(n_lanes * k, dtype=np.uint64)
+    digits[:n] = levels
+    powers = np.array([radix ** j for j in range(k)], dtype=np.uint64)
+    out[:n_lanes] = (digits.reshape(n_lanes, k) * powers).sum(axis=1).astype(np.float64)
+
+
 def chunk_sum(values, k):
     """Sum float64 `values` the kernels' way: in order within chunks of CHUNK_LANES*k, then
     the chunk sums in order; deterministic and independent of the thread count."""
@@ -320,6 +330,11 @@ class LaneReference:
         per-chunk rows (k: elements per lane, for chunk_sum)."""
         return None
 
+    def _sent_values(self, levels):
+        """float32 value of each element's level for one worker: what error feedback
+        subtracts (a codec whose scale varies along the tensor multiplies it in)."""
+        return self._values(levels, 1)
+
     def _before_levels(self, compensated):
         """Hook for a codec that transforms the compensated values before levelling."""
 
@@ -329,13 +344,8 @@ class LaneReference:
         if not np.isfinite(c).all():
             raise_nonfinite(grad, residual)
         q = self._levels(c)
-        self.feedback.update(residual, c, self._values(q, 1))
-        n = q.shape[0]
-        n_lanes = -(-n // k)
-        digits = np.zeros(n_lanes * k, dtype=np.uint64)
-        digits[:n] = q
-        powers = np.array([radix ** j for j in range(k)], dtype=np.uint64)
-        out[:n_lanes] = (digits.reshape(n_lanes, k) * powers).sum(axis=1).astype(np.float64)
+        self.feedback.update(residual, c, self._sent_values(q))
+        pack_lanes(q, out, radix, k)
         stat = self._statistic(grad, c, k)
         if stat is None or self.gathered_count(grad.shape[0]):
             return stat
