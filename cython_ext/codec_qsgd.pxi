@@ -40,23 +40,20 @@ cdef extern from *:
        written branch-free so that the compiler vectorizes it; returns the count of
        non-finite c. The value subtracted is the unit value float32(unit * (q - s)) times
        the norm: the one-worker decoded value bit for bit. */
-    /* Hide a constant from the optimizer: with a literal 1.0f, min(a, 1) * s is folded
-       into a branch (a * s or s) that the vectorizer refuses; a value it cannot see
-       keeps it a select. */
-    #define SLIMGC_OPAQUE(v) __asm__("" : "+x"(v))
-    static inline int slimgc_qsgd_run(const float* g, float* r, float* q, float* comp,
-                                      Py_ssize_t cnt, int64_t e0, uint64_t seed, float s,
-                                      double unit, float norm, float inv) {
+    SLIMGC_CLONES
+    static int slimgc_qsgd_run(const float* g, float* r, float* q, float* comp,
+                                      const float* u, Py_ssize_t cnt, float s, double unit,
+                                      float norm, float inv) {
         int bad = 0;
         Py_ssize_t j;
         float one = 1.0f;
-        SLIMGC_OPAQUE(one);
+        SLIMGC_OPAQUE(one);  /* min(a, 1.0f) * s would fold into a branch: a * s or s */
         for (j = 0; j < cnt; j++) {
             float c = g[j] + r[j];
             float a = fabsf(c) * inv;
             float x = (a < one ? a : one) * s;
             float low = (float)(int)x;
-            float m = low + (slimgc_uniform(seed, e0 + j) < x - low ? 1.0f : 0.0f);
+            float m = low + (u[j] < x - low ? 1.0f : 0.0f);
             float qf = s + (c < 0.0f ? -m : m);
             comp[j] = c;
             q[j] = qf;
@@ -66,27 +63,29 @@ cdef extern from *:
         return bad;
     }
     """
-    int slimgc_qsgd_run(const float* g, float* r, float* q, float* comp, Py_ssize_t cnt,
-                        int64_t e0, uint64_t seed, float s, double unit, float norm,
+    int slimgc_qsgd_run(const float* g, float* r, float* q, float* comp, const float* u,
+                        Py_ssize_t cnt, float s, double unit, float norm,
                         float inv) noexcept nogil
 
 
 cdef Py_ssize_t _levels_qsgd(const float* g, float* r, float* q, Py_ssize_t cnt,
                              const LevelArgs* a, Py_ssize_t e0, Py_ssize_t ce0,
                              double* stat) noexcept nogil:
-    # Runs of elements of one bucket (one norm), then their squares into the bucket's
-    # partial sums while they are in cache.
+    # The block's uniforms, then runs of elements of one bucket (one norm), each followed
+    # by its squares into the bucket's partial sums while they are in cache.
     cdef Py_ssize_t j = 0, j1, b, bucket = a.bucket
     cdef Py_ssize_t bad = 0
     cdef float norm, inv
     cdef float one = 1.0
     cdef float comp[BLOCK * MAX_DIGITS]
+    cdef float u[BLOCK * MAX_DIGITS]
+    slimgc_uniforms(a.seed, e0, cnt, u)
     while j < cnt:
         b = (e0 + j) // bucket
         j1 = min(cnt, (b + 1) * bucket - e0)
         norm = a.table[b]
         inv = one / norm if norm >= FLT_MIN else 0.0
-        bad += slimgc_qsgd_run(g + j, r + j, q + j, comp + j, j1 - j, e0 + j, a.seed,
+        bad += slimgc_qsgd_run(g + j, r + j, q + j, comp + j, u + j, j1 - j,
                                <float>a.offset, 1.0 / <double>a.offset, norm, inv)
         _qsgd_squares(comp + j, j1 - j, e0 + j,
                       stat + ((e0 + j - ce0) // bucket) * QSGD_PARTIALS)

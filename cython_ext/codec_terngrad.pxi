@@ -12,12 +12,14 @@ cdef Py_ssize_t _levels_terngrad(const float* g, float* r, float* q, Py_ssize_t 
     cdef float inv = 1.0 / s if s > 0 else 0.0
     cdef int d, bad = 0
     cdef float comp[BLOCK * MAX_DIGITS]
+    cdef float u[BLOCK * MAX_DIGITS]
     cdef double top = stat[0], total = stat[1], squares = stat[2], v
+    slimgc_uniforms(a.seed, e0, cnt, u)
     for j in range(cnt):
         c = g[j] + r[j]
         comp[j] = c
         x = min(fabsf(c), s) * inv
-        d = <int>(slimgc_uniform(a.seed, e0 + j) < x)
+        d = <int>(u[j] < x)
         d = -d if c < 0 else d
         q[j] = <float>(1 + d)
         r[j] = c - s * <float>d

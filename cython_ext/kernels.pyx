@@ -51,27 +51,77 @@ cdef extern from *:
 cdef extern from *:
     """
     /* The counter-based generator of stochastic rounding: a uniform float in [0, 1) for
-       element e of the push keyed by `seed` (SplitMix64's finalizer of seed + e * golden
-       ratio). Any thread, any order: the same number (slimgc_mx/codecs/rng.py mirrors it).
-       The 24 bits convert through int32, the same value: x86-64 has no SSE instruction for
-       uint64 -> float, and the compiler's branchy sequence cost more than the hash. */
+       element e of the push keyed by `seed`. SplitMix64's finalizer of
+       seed + (e >> 1) * golden ratio gives 64 bits for a pair of elements: bits 0..23 for
+       even e, bits 40..63 for odd e. Any thread, any order: the same number
+       (slimgc_mx/codecs/rng.py mirrors it). The 24 bits convert through int32, the same
+       value: x86-64 has no SSE instruction for uint64 -> float. */
     static inline uint64_t slimgc_mix(uint64_t x) {
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
         x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
         return x ^ (x >> 31);
     }
+    static inline uint64_t slimgc_pair_hash(uint64_t seed, int64_t pair) {
+        return slimgc_mix(seed + (uint64_t)pair * 0x9E3779B97F4A7C15ULL);
+    }
     static inline float slimgc_uniform(uint64_t seed, int64_t e) {
-        return (float)(int32_t)(slimgc_mix(seed + (uint64_t)e * 0x9E3779B97F4A7C15ULL) >> 40)
-               * 5.9604644775390625e-08f;
+        uint64_t h = slimgc_pair_hash(seed, e >> 1);
+        uint32_t bits = (e & 1) ? (uint32_t)(h >> 40) : (uint32_t)h & 0xFFFFFFu;
+        return (float)(int32_t)bits * 5.9604644775390625e-08f;
+    }
+    /* SLIMGC_CLONES: a hot loop is also built for AVX2 and picked at load time (GCC on
+       x86-64 Linux). Both builds do the same IEEE float operations (AVX2 brings no fused
+       multiply-add) and exact integer arithmetic, so they give bitwise the same results. */
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+    #define SLIMGC_CLONES __attribute__((target_clones("avx2", "default")))
+    #else
+    #define SLIMGC_CLONES
+    #endif
+    /* Hide a value from the optimizer (it goes through memory once): a constant folded
+       into a select can turn it into a branch of float operations, which the vectorizer
+       refuses because they might trap. */
+    #define SLIMGC_OPAQUE(v) __asm__("" : "+m"(v))
+    /* u[j] = slimgc_uniform(seed, e0 + j) for j < cnt: one hash per pair of elements, in
+       a loop the compiler vectorizes (the hash dominates a level loop's cost). */
+    SLIMGC_CLONES
+    static void slimgc_uniforms(uint64_t seed, int64_t e0, Py_ssize_t cnt, float* u) {
+        Py_ssize_t j = 0, i, pairs;
+        int64_t p0;
+        if (cnt <= 0)
+            return;
+        if (e0 & 1) {
+            u[0] = slimgc_uniform(seed, e0);
+            j = 1;
+        }
+        pairs = (cnt - j) / 2;
+        p0 = (e0 + j) >> 1;
+        for (i = 0; i < pairs; i++) {
+            uint64_t h = slimgc_pair_hash(seed, p0 + i);
+            u[j + 2 * i] = (float)(int32_t)((uint32_t)h & 0xFFFFFFu) * 5.9604644775390625e-08f;
+            u[j + 2 * i + 1] = (float)(int32_t)(h >> 40) * 5.9604644775390625e-08f;
+        }
+        j += 2 * pairs;
+        if (j < cnt)
+            u[j] = slimgc_uniform(seed, e0 + j);
     }
     """
     uint64_t slimgc_mix(uint64_t x) noexcept nogil
     float slimgc_uniform(uint64_t seed, int64_t e) noexcept nogil
+    void slimgc_uniforms(uint64_t seed, int64_t e0, Py_ssize_t cnt, float* u) noexcept nogil
 
 
 def uniform(uint64_t seed, int64_t e):
     """slimgc_uniform(seed, e): the RNG the kernels use, for tests against rng.py."""
     return slimgc_uniform(seed, e)
+
+
+def uniforms(uint64_t seed, int64_t e0, Py_ssize_t count):
+    """slimgc_uniforms: float32 uniforms of elements e0 .. e0+count-1, as a block fills them."""
+    out = np.empty(max(count, 0), dtype=np.float32)
+    cdef float[::1] u = out
+    if count > 0:
+        slimgc_uniforms(seed, e0, count, &u[0])
+    return out
 
 
 chunk_lanes = CHUNK_LANES

@@ -8,6 +8,7 @@ from codec_contract import (assert_same, check_error_feedback_identity,
                             check_sums_in_any_order_decode_alike, check_threads_bitwise_equal,
                             check_unbiased, make, run_steps)
 from slimgc_mx import codecs
+from slimgc_mx.codecs.base import kernels
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3, 16])
@@ -135,3 +136,18 @@ def test_kernel_decode_equals_reference_decode_with_norms():
     lanes[:n_lanes] = (padded.reshape(n_lanes, k) * radix ** np.arange(k)).sum(axis=1)
     a, b = (c.decode(lanes, size, n) for c in cs)
     assert_same(a, b, "decode")
+
+
+@pytest.mark.parametrize("start, count", [(0, 1), (1, 1), (0, 64), (1, 64), (7, 3392),
+                                          (10 ** 9 + 1, 100)])
+def test_block_uniforms_equal_the_element_generator(start, count):
+    """The level loops fill their uniforms a pair per hash; element by element and in NumPy
+    the numbers are the same."""
+    from slimgc_mx.codecs import rng
+    seed = rng.mix64(99)
+    block = kernels().uniforms(seed, start, count)
+    np.testing.assert_array_equal(block, rng.uniform(seed, start, count))
+    np.testing.assert_array_equal(block[:5], [kernels().uniform(seed, start + i)
+                                              for i in range(min(5, count))])
+    u = rng.uniform(seed, 0, 200_000)
+    assert abs(u.mean() - 0.5) < 0.005 and abs(np.corrcoef(u[::2], u[1::2])[0, 1]) < 0.01
