@@ -362,6 +362,7 @@ include "codec_2bit.pxi"
 include "codec_4bit.pxi"
 include "codec_terngrad.pxi"
 include "codec_qsgd.pxi"
+include "codec_thc.pxi"
 
 
 # ---------------------------------------------------------------- decoder
