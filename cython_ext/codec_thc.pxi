@@ -97,16 +97,16 @@ cdef extern from *:
                 }
     }
 
-    /* The rotation's diagonal: +1 or -1 for element e of the push keyed by `seed`. */
-    static inline float slimgc_sign(uint64_t seed, int64_t e) {
-        return slimgc_uniform(seed, e) < 0.5f ? 1.0f : -1.0f;
+    /* The rotation's diagonal: +1 or -1 from element e's uniform of the sign stream. */
+    static inline float slimgc_sign_of(float u) {
+        return u < 0.5f ? 1.0f : -1.0f;
     }
     """
     int slimgc_thc_run(const float* g, float* r, float* q, const float* u, Py_ssize_t cnt,
                        float m, float inv, float step, float gm1, int32_t* top) noexcept nogil
     void slimgc_fwht(float* x, Py_ssize_t len) noexcept nogil
     void slimgc_fwht_panel(float* x, Py_ssize_t rows, Py_ssize_t width) noexcept nogil
-    float slimgc_sign(uint64_t seed, int64_t e) noexcept nogil
+    float slimgc_sign_of(float u) noexcept nogil
 
 
 cdef Py_ssize_t _levels_thc(const float* g, float* r, float* q, Py_ssize_t cnt,
@@ -157,20 +157,26 @@ cdef inline Py_ssize_t _thc_finish(const float* t, Py_ssize_t e, Py_ssize_t cnt,
                                    float* r, Py_ssize_t n) noexcept nogil:
     # Elements e .. e+cnt-1 of f * t, rotated back or scaled: forward (x): x = f * t, and
     # returns the count of non-finite values; back: w = D (f * t) for e < n into out, or
-    # into the residual as r = (g + r) - w.
-    cdef Py_ssize_t j, bad = 0, stop = min(cnt, n - e)
+    # into the residual as r = (g + r) - w. The signs come THC_PANEL at a time.
+    cdef Py_ssize_t j, j0, m, stop = min(cnt, n - e)
+    cdef float u[THC_PANEL]
     cdef float w
     if x != NULL:
         for j in range(cnt):
             x[j] = t[j] * f
         return _count_bad(x, cnt)
-    if out != NULL:
-        for j in range(stop):
-            out[e + j] = slimgc_sign(seed, e + j) * (t[j] * f)
-    else:
-        for j in range(stop):
-            w = slimgc_sign(seed, e + j) * (t[j] * f)
-            r[e + j] = (g[e + j] + r[e + j]) - w
+    j0 = 0
+    while j0 < stop:
+        m = min(<Py_ssize_t>THC_PANEL, stop - j0)
+        slimgc_uniforms(seed, e + j0, m, u)
+        if out != NULL:
+            for j in range(m):
+                out[e + j0 + j] = slimgc_sign_of(u[j]) * (t[j0 + j] * f)
+        else:
+            for j in range(m):
+                w = slimgc_sign_of(u[j]) * (t[j0 + j] * f)
+                r[e + j0 + j] = (g[e + j0 + j] + r[e + j0 + j]) - w
+        j0 += m
     return 0
 
 
@@ -188,9 +194,12 @@ cdef Py_ssize_t _thc_transform(float* x, Py_ssize_t p, float f, uint64_t seed, f
         for i in prange(rows, schedule="dynamic", num_threads=team):
             e = i * width
             if forward:
-                for j in range(width):
-                    x[e + j] = slimgc_sign(seed, e + j) * (g[e + j] + r[e + j]) \
-                        if e + j < n else 0.0
+                # the row's signs first, in place, then D (g + r), zero past n
+                slimgc_uniforms(seed, e, width, x + e)
+                for j in range(min(width, max(n - e, 0))):
+                    x[e + j] = slimgc_sign_of(x[e + j]) * (g[e + j] + r[e + j])
+                for j in range(max(n - e, 0), width):
+                    x[e + j] = 0.0
             slimgc_fwht(x + e, width)
             if rows == 1:
                 bad += _thc_finish(x, 0, width, f, seed, x if forward else NULL, out, g, r, n)
