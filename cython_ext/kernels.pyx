@@ -417,6 +417,7 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
     # of lanes outside [0, 2**53) (NaN included), decoded as 0: the division is only
     # exact below 2**53, and table rows must never be read out of range.
     cdef Py_ssize_t i = lo, b, nb, pos, cnt, t, bad = 0
+    cdef bint full
     cdef uint64_t x[GROUP]
     cdef uint64_t s
     cdef double v
@@ -434,13 +435,28 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
                 x[b] = 0
                 bad += 1
         pos = 0
+        full = (i + nb) * k <= n
         while pos < k:
-            if pos + ROW <= k and (i + nb) * k <= n:
+            if full and pos + ROW <= k:
                 # A whole row fits inside every lane: copy it; the spill past m is
                 # overwritten by the next position of the same lane.
                 for b in range(nb):
                     s = _divmod(&x[b], dv)
                     memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, ROW * sizeof(float))
+            elif full and m <= 4 and pos + 4 <= k:
+                # Near the lane's end, a shorter fixed-size copy that still fits (wide
+                # radixes: m is small and the lane ends before a whole row).
+                for b in range(nb):
+                    s = _divmod(&x[b], dv)
+                    memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, 4 * sizeof(float))
+            elif full and m == 3 and pos + 3 <= k:
+                for b in range(nb):
+                    s = _divmod(&x[b], dv)
+                    memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, 3 * sizeof(float))
+            elif full and m <= 2 and pos + 2 <= k:
+                for b in range(nb):
+                    s = _divmod(&x[b], dv)
+                    memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, 2 * sizeof(float))
             else:
                 for b in range(nb):
                     s = _divmod(&x[b], dv)
