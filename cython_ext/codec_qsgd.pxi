@@ -47,6 +47,8 @@ cdef extern from *:
         int bad = 0;
         Py_ssize_t j;
         float one = 1.0f;
+        /* the unit as a float when s is a power of two (then exact), else 0 */
+        float unit_f = ((int)s & ((int)s - 1)) ? 0.0f : (float)unit;
         SLIMGC_OPAQUE(one);  /* min(a, 1.0f) * s would fold into a branch: a * s or s */
         for (j = 0; j < cnt; j++) {
             float c = g[j] + r[j];
@@ -57,7 +59,9 @@ cdef extern from *:
             float qf = s + (c < 0.0f ? -m : m);
             comp[j] = c;
             q[j] = qf;
-            r[j] = c - (float)(unit * (double)(qf - s)) * norm;
+            /* s a power of two: (q - s) / s is exact in float, the same value */
+            float uv = unit_f ? (qf - s) * unit_f : (float)(unit * (double)(qf - s));
+            r[j] = c - uv * norm;
             bad += !(fabsf(c) <= FLT_MAX);
         }
         return bad;
