@@ -15,7 +15,7 @@ import numpy as np
 from cython.parallel cimport parallel, prange
 from libc.stdlib cimport calloc, free
 from libc.float cimport FLT_MAX
-from libc.math cimport fabs, fabsf
+from libc.math cimport copysignf, fabs, fabsf
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
 from layout cimport BLOCK, CHECK_CHUNK, CHUNK_LANES, GROUP, MAX_DIGITS, ROW, SGD_CHUNK
@@ -51,25 +51,77 @@ cdef extern from *:
 cdef extern from *:
     """
     /* The counter-based generator of stochastic rounding: a uniform float in [0, 1) for
-       element e of the push keyed by `seed` (SplitMix64's finalizer of seed + e * golden
-       ratio). Any thread, any order: the same number (slimgc_mx/codecs/rng.py mirrors it). */
+       element e of the push keyed by `seed`. SplitMix64's finalizer of
+       seed + (e >> 1) * golden ratio gives 64 bits for a pair of elements: bits 0..23 for
+       even e, bits 40..63 for odd e. Any thread, any order: the same number
+       (slimgc_mx/codecs/rng.py mirrors it). The 24 bits convert through int32, the same
+       value: x86-64 has no SSE instruction for uint64 -> float. */
     static inline uint64_t slimgc_mix(uint64_t x) {
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
         x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
         return x ^ (x >> 31);
     }
+    static inline uint64_t slimgc_pair_hash(uint64_t seed, int64_t pair) {
+        return slimgc_mix(seed + (uint64_t)pair * 0x9E3779B97F4A7C15ULL);
+    }
     static inline float slimgc_uniform(uint64_t seed, int64_t e) {
-        return (float)(slimgc_mix(seed + (uint64_t)e * 0x9E3779B97F4A7C15ULL) >> 40)
-               * 5.9604644775390625e-08f;
+        uint64_t h = slimgc_pair_hash(seed, e >> 1);
+        uint32_t bits = (e & 1) ? (uint32_t)(h >> 40) : (uint32_t)h & 0xFFFFFFu;
+        return (float)(int32_t)bits * 5.9604644775390625e-08f;
+    }
+    /* SLIMGC_CLONES: a hot loop is also built for AVX2 and picked at load time (GCC on
+       x86-64 Linux). Both builds do the same IEEE float operations (AVX2 brings no fused
+       multiply-add) and exact integer arithmetic, so they give bitwise the same results. */
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+    #define SLIMGC_CLONES __attribute__((target_clones("avx2", "default")))
+    #else
+    #define SLIMGC_CLONES
+    #endif
+    /* Hide a value from the optimizer (it goes through memory once): a constant folded
+       into a select can turn it into a branch of float operations, which the vectorizer
+       refuses because they might trap. */
+    #define SLIMGC_OPAQUE(v) __asm__("" : "+m"(v))
+    /* u[j] = slimgc_uniform(seed, e0 + j) for j < cnt: one hash per pair of elements, in
+       a loop the compiler vectorizes (the hash dominates a level loop's cost). */
+    SLIMGC_CLONES
+    static void slimgc_uniforms(uint64_t seed, int64_t e0, Py_ssize_t cnt, float* u) {
+        Py_ssize_t j = 0, i, pairs;
+        int64_t p0;
+        if (cnt <= 0)
+            return;
+        if (e0 & 1) {
+            u[0] = slimgc_uniform(seed, e0);
+            j = 1;
+        }
+        pairs = (cnt - j) / 2;
+        p0 = (e0 + j) >> 1;
+        for (i = 0; i < pairs; i++) {
+            uint64_t h = slimgc_pair_hash(seed, p0 + i);
+            u[j + 2 * i] = (float)(int32_t)((uint32_t)h & 0xFFFFFFu) * 5.9604644775390625e-08f;
+            u[j + 2 * i + 1] = (float)(int32_t)(h >> 40) * 5.9604644775390625e-08f;
+        }
+        j += 2 * pairs;
+        if (j < cnt)
+            u[j] = slimgc_uniform(seed, e0 + j);
     }
     """
     uint64_t slimgc_mix(uint64_t x) noexcept nogil
     float slimgc_uniform(uint64_t seed, int64_t e) noexcept nogil
+    void slimgc_uniforms(uint64_t seed, int64_t e0, Py_ssize_t cnt, float* u) noexcept nogil
 
 
 def uniform(uint64_t seed, int64_t e):
     """slimgc_uniform(seed, e): the RNG the kernels use, for tests against rng.py."""
     return slimgc_uniform(seed, e)
+
+
+def uniforms(uint64_t seed, int64_t e0, Py_ssize_t count):
+    """slimgc_uniforms: float32 uniforms of elements e0 .. e0+count-1, as a block fills them."""
+    out = np.empty(max(count, 0), dtype=np.float32)
+    cdef float[::1] u = out
+    if count > 0:
+        slimgc_uniforms(seed, e0, count, &u[0])
+    return out
 
 
 chunk_lanes = CHUNK_LANES
@@ -114,6 +166,7 @@ cdef struct LevelArgs:
     int offset           # a codec's level offset (4bit), or its number of levels
     Py_ssize_t bucket    # elements per bucket of a codec with per-bucket state
     uint64_t seed        # the counter-based RNG's key of this push (slimgc_uniform)
+    bint clip_only       # the residual keeps only what the shared scale clipped (no noise)
 
 
 # A codec's level function: for cnt elements starting at element e0 of the tensor
@@ -309,6 +362,8 @@ include "codec_1bit.pxi"
 include "codec_2bit.pxi"
 include "codec_4bit.pxi"
 include "codec_terngrad.pxi"
+include "codec_qsgd.pxi"
+include "codec_thc.pxi"
 include "codec_randomk.pxi"
 include "codec_powersgd.pxi"
 include "codec_topk.pxi"
@@ -367,6 +422,7 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
     # of lanes outside [0, 2**53) (NaN included), decoded as 0: the division is only
     # exact below 2**53, and table rows must never be read out of range.
     cdef Py_ssize_t i = lo, b, nb, pos, cnt, t, bad = 0
+    cdef bint full
     cdef uint64_t x[GROUP]
     cdef uint64_t s
     cdef double v
@@ -384,13 +440,28 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
                 x[b] = 0
                 bad += 1
         pos = 0
+        full = (i + nb) * k <= n
         while pos < k:
-            if pos + ROW <= k and (i + nb) * k <= n:
+            if full and pos + ROW <= k:
                 # A whole row fits inside every lane: copy it; the spill past m is
                 # overwritten by the next position of the same lane.
                 for b in range(nb):
                     s = _divmod(&x[b], dv)
                     memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, ROW * sizeof(float))
+            elif full and m <= 4 and pos + 4 <= k:
+                # Near the lane's end, a shorter fixed-size copy that still fits (wide
+                # radixes: m is small and the lane ends before a whole row).
+                for b in range(nb):
+                    s = _divmod(&x[b], dv)
+                    memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, 4 * sizeof(float))
+            elif full and m == 3 and pos + 3 <= k:
+                for b in range(nb):
+                    s = _divmod(&x[b], dv)
+                    memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, 3 * sizeof(float))
+            elif full and m <= 2 and pos + 2 <= k:
+                for b in range(nb):
+                    s = _divmod(&x[b], dv)
+                    memcpy(out + (i - lo + b) * k + pos, rows + s * ROW, 2 * sizeof(float))
             else:
                 for b in range(nb):
                     s = _divmod(&x[b], dv)

@@ -21,7 +21,7 @@ def test_kernel_equals_reference(n_workers, size, options):
 def test_threads_and_orders_and_error_feedback():
     check_threads_bitwise_equal("terngrad")
     check_sums_in_any_order_decode_alike("terngrad")
-    check_error_feedback_identity("terngrad")
+    check_error_feedback_identity("terngrad", options={"error_feedback": True})
     check_state_round_trip("terngrad", {"clip_sigma": 2.5})
 
 
@@ -60,3 +60,25 @@ def test_bad_options_name_the_option(bad):
         codecs.create("terngrad", clip_sigma=bad)
     with pytest.raises(ValueError, match="codec 'terngrad' has no option levels"):
         codecs.create("terngrad", levels=4)
+
+
+@pytest.mark.parametrize("name", ["terngrad", "qsgd"])
+@pytest.mark.parametrize("reference", [False, True])
+def test_unbiased_codecs_keep_only_the_clipped_part_unless_asked(name, reference):
+    # the rounding noise would pile up; what the lagged scale cut off is kept either way
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal(3000).astype(np.float32)
+    for feedback in (False, True):
+        c = codecs.create(name, reference=reference, error_feedback=feedback, num_threads=2)
+        c.load_state_dict(dict(c.state_dict(), **({"scale": 1.0} if name == "terngrad"
+                                                  else {"norms": [1.0] * 6})))
+        residual = np.full(3000, 0.25, np.float32)
+        compensated = g + np.float32(0.25)
+        sent = c.decode(c.encode(g, residual, 1), 3000, 1)
+        if feedback:
+            np.testing.assert_allclose(residual, compensated - sent, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(residual, compensated - np.clip(compensated, -1, 1))
+            assert (residual != 0).sum() > 100  # |c| > 1 happens
+    with pytest.raises(ValueError, match="error_feedback"):
+        codecs.create(name, error_feedback="maybe")

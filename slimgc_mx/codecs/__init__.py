@@ -7,8 +7,8 @@
 One file per codec; each registers itself (docs/codecs.md, docs/extending.md). Nothing
 here imports MXNet.
 """
-from . import (dgc, fourbit, none, onebit, powersgd, randomk, terngrad, topk,  # noqa: F401
-               twobit)  # (each registers its codec)
+from . import (dgc, fourbit, none, onebit, powersgd, qsgd, randomk, terngrad,  # noqa: F401
+               thc, topk, twobit)  # (each registers its codec)
 from .base import Codec, NonFiniteGradientError
 from .feedback import ErrorFeedback
 from .lanes import LaneCodec, lane_geometry

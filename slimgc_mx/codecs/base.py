@@ -119,6 +119,10 @@ def raise_nonfinite(grad, residual, out=None):
         "updated: reset the residual (residual[:] = 0)" % i)
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
 class Option:
     """A codec option: its type, default, the check it must pass and what that check says."""
 
@@ -129,9 +133,8 @@ class Option:
         """The value as `kind`, or a ValueError naming the codec, the option and the rule."""
         if isinstance(value, str):
             try:
-                value = self.kind(value) if self.kind is not bool else value.lower() in (
-                    "1", "true", "yes", "on")
-            except ValueError:
+                value = self.kind(value) if self.kind is not bool else _BOOLS[value.lower()]
+            except (KeyError, ValueError):
                 value = None
         ok = (isinstance(value, self.kind) and not (self.kind is not bool
                                                     and isinstance(value, bool))

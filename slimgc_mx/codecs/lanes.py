@@ -21,7 +21,7 @@ import numbers
 
 import numpy as np
 
-from .base import (Codec, check_disjoint, check_num_workers, check_vector, kernels,
+from .base import (Codec, Option, check_disjoint, check_num_workers, check_vector, kernels,
                    raise_nonfinite)
 from .layout import CHUNK_LANES, ROW
 
@@ -63,6 +63,16 @@ def _decode_rows(radix, m, scale, a, b, num_workers):
     return rows
 
 
+def pack_lanes(levels, out, radix, k):
+    """out[:ceil(n/k)] = sum_j q_j * R**j over each lane's k levels (int64 `levels`, n of them)."""
+    n = levels.shape[0]
+    n_lanes = -(-n // k)
+    digits = np.zeros(n_lanes * k, dtype=np.uint64)
+    digits[:n] = levels
+    powers = np.array([radix ** j for j in range(k)], dtype=np.uint64)
+    out[:n_lanes] = (digits.reshape(n_lanes, k) * powers).sum(axis=1).astype(np.float64)
+
+
 def chunk_sum(values, k):
     """Sum float64 `values` the kernels' way: in order within chunks of CHUNK_LANES*k, then
     the chunk sums in order; deterministic and independent of the thread count."""
@@ -78,6 +88,16 @@ def chunk_sum(values, k):
     for p in partials.tolist():
         total += p
     return total
+
+
+#: The `error_feedback` option of an unbiased quantizer (terngrad, qsgd). Off by default:
+#: their rounding noise can exceed the gradient and would pile up in the residual
+#: (docs/codecs.md has the measurement), so the residual keeps only what the shared,
+#: previous-step scale clipped (a reference codec gives `_clipped(c)`).
+NO_FEEDBACK_BY_DEFAULT = Option(
+    bool, False, lambda v: True,
+    "true or false (true: the residual keeps everything a push does not send, noise "
+    "included, as the biased codecs do)")
 
 
 class LaneCodec(Codec):
@@ -320,6 +340,11 @@ class LaneReference:
         per-chunk rows (k: elements per lane, for chunk_sum)."""
         return None
 
+    def _sent_values(self, levels):
+        """float32 value of each element's level for one worker: what error feedback
+        subtracts (a codec whose scale varies along the tensor multiplies it in)."""
+        return self._values(levels, 1)
+
     def _before_levels(self, compensated):
         """Hook for a codec that transforms the compensated values before levelling."""
 
@@ -329,13 +354,9 @@ class LaneReference:
         if not np.isfinite(c).all():
             raise_nonfinite(grad, residual)
         q = self._levels(c)
-        self.feedback.update(residual, c, self._values(q, 1))
-        n = q.shape[0]
-        n_lanes = -(-n // k)
-        digits = np.zeros(n_lanes * k, dtype=np.uint64)
-        digits[:n] = q
-        powers = np.array([radix ** j for j in range(k)], dtype=np.uint64)
-        out[:n_lanes] = (digits.reshape(n_lanes, k) * powers).sum(axis=1).astype(np.float64)
+        feedback = self.option_values.get("error_feedback", True)
+        self.feedback.update(residual, c, self._sent_values(q) if feedback else self._clipped(c))
+        pack_lanes(q, out, radix, k)
         stat = self._statistic(grad, c, k)
         if stat is None or self.gathered_count(grad.shape[0]):
             return stat

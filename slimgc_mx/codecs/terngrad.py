@@ -1,4 +1,4 @@
-"""terngrad (Wen et al. 2017): stochastic ternarization to {-s, 0, +s}, with error feedback.
+"""terngrad (Wen et al. 2017): stochastic ternarization to {-s, 0, +s}.
 
 Level q = 1 + sign(c) * [u < min(|c|, s) / s] for c = g + r and u uniform (rng.py),
 value s * (q - 1): unbiased for |c| <= s, L = 3, so the workers' levels add in radix
@@ -6,8 +6,9 @@ value s * (q - 1): unbiased for |c| <= s, L = 3, so the workers' levels add in r
 N trailer lanes, the sum puts them side by side, and decode() sets the NEXT push's scale
 to their maximum, a value every worker receives identically. The statistic is max |c|,
 or with option clip_sigma > 0 (the paper's 2.5) min(max |c|, clip_sigma * std(c)): the
-paper's clipping of outliers. What lies above s stays in the residual. The first push
-has s = 0: it sends only the statistics and error feedback keeps the gradient.
+paper's clipping of outliers. What lies above s stays in the residual (the first push has
+s = 0: it sends only the statistics and the residual keeps the gradient); the rounding
+noise does too only with option error_feedback=true (lanes.NO_FEEDBACK_BY_DEFAULT).
 """
 import math
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from . import rng
 from .base import Option, kernels
-from .lanes import LaneCodec, LaneReference, chunk_sum
+from .lanes import NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference, chunk_sum
 from .registry import register
 
 
@@ -36,8 +37,11 @@ class TernGrad(LaneCodec):
     levels = 3
     gathered = 1
     stochastic = True
-    options = {"clip_sigma": Option(float, 0.0, lambda v: 0 <= v < 1e6 and math.isfinite(v),
-                                    "a number >= 0 (0: no clipping; the paper uses 2.5)")}
+    options = {
+        "clip_sigma": Option(float, 0.0, lambda v: 0 <= v < 1e6 and math.isfinite(v),
+                             "a number >= 0 (0: no clipping; the paper uses 2.5)"),
+        "error_feedback": NO_FEEDBACK_BY_DEFAULT,
+    }
 
     def __init__(self, threshold=None, num_threads=None, **options):
         super().__init__(threshold=threshold, num_threads=num_threads, **options)
@@ -65,7 +69,8 @@ class TernGrad(LaneCodec):
         rows = self._kernel_result(
             kernels().encode_terngrad(grad, residual, out, self._powers(radix, k),
                                       np.float32(self.scale), self.push_seed(),
-                                      self.num_threads, grad_checked),
+                                      self.num_threads, grad_checked,
+                                      not self.option_values["error_feedback"]),
             grad, residual, out)
         return [_clip_stat(float(rows[:, 0].max()) if rows.size else 0.0,
                            self._chunk_order_sum(rows, 1), self._chunk_order_sum(rows, 2),
@@ -74,6 +79,9 @@ class TernGrad(LaneCodec):
 
 @register(reference=True)
 class TernGradReference(LaneReference, TernGrad):
+    def _clipped(self, c):
+        return np.copysign(np.minimum(np.abs(c), np.float32(self.scale)), c)
+
     def _levels(self, c):
         s = np.float32(self.scale)
         inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
