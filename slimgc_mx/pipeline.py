@@ -67,6 +67,7 @@ class Transfer:
     t_proc: float = 0.0  # encode + decode seconds
     nonfinite: bool = False  # this worker's gradient held NaN/Inf: it sends NaN
     round: int = 0  # the exchange under way, for codecs with several per step
+    wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
 
     def ready_array(self):
         """The NDArray the transfer waits for before it enters (its producer's output)."""
@@ -82,14 +83,19 @@ class Transfer:
         """(wire key, what is sent, where the result lands) of its route and round."""
         b = self.buffers
         if self.compressed:
-            r = b.rounds[self.round]
+            r = b.round_sets[self.wire_class][self.round]
             return r.key, r.send, r.recv
         return b.wire.fp, b.fp_buf, b.agg
 
     @property
+    def wire_rounds(self):
+        """The WireRounds of its push (all rounds; compressed transfers only)."""
+        return self.buffers.round_sets[self.wire_class]
+
+    @property
     def gathers(self):
         """True when this round's result is every worker's slot side by side, not a sum."""
-        return self.compressed and self.buffers.rounds[self.round].route == "gather"
+        return self.compressed and self.wire_rounds[self.round].route == "gather"
 
 
 class Pipeline:
@@ -198,8 +204,9 @@ class Pipeline:
             b.bit_buf.for_read()  # encoded by NDArray ops queued on the training thread
             t.t_proc += time.perf_counter() - t0
         else:
+            _, send, _ = t.wire
             grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
-                                     b.bit_buf.for_write())
+                                     send.for_write())
             checked = t.check is not None and t.check.nonfinite == 0
             t0 = time.perf_counter()
             try:
@@ -245,7 +252,7 @@ class Pipeline:
                     else "a worker this sum does not name (an overflow, or a NaN no check saw)",
                     "did" if t.nonfinite else "was finite"))
         if t.compressed and t.round + 1 < b.codec.rounds:
-            nxt = b.rounds[t.round + 1].send
+            nxt = t.wire_rounds[t.round + 1].send
             t0 = time.perf_counter()
             b.codec.next_round(t.round, values, nxt.for_write(), n)
             t.t_proc += time.perf_counter() - t0
@@ -257,7 +264,7 @@ class Pipeline:
             b.agg.for_read()
             t.t_proc += time.perf_counter() - t0
         elif t.compressed and not t.decode_in_update:
-            lanes, agg = b.bit_sum.for_read(), b.agg.for_write()
+            lanes, agg = received.for_read(), b.agg.for_write()  # the last round's result
             t0 = time.perf_counter()
             b.codec.decode(lanes, b.size, n, out=agg)
             t.t_proc += time.perf_counter() - t0
@@ -304,7 +311,8 @@ def nonfinite_sender(array, num_workers):
 class TransferStats:
     """Bytes and seconds of the finished transfers (each counted once, pushed and pulled)."""
 
-    wire: int = 0  # bytes sent, each direction (the sum comes back at the same size)
+    wire: int = 0  # bytes pushed (every round)
+    pulled: int = 0  # bytes pulled: a sum comes back at the size pushed, a gather N times
     fp32: int = 0  # bytes the same gradients would be in float32
     comm_s: float = 0.0
     compress_s: float = 0.0
@@ -312,8 +320,14 @@ class TransferStats:
     compressed_transfers: int = 0
 
     def add(self, t):
-        _, send, _ = t.wire
-        self.wire += send.nbytes
+        if t.compressed:
+            for r in t.wire_rounds:
+                self.wire += r.send.nbytes
+                self.pulled += r.recv.nbytes
+        else:
+            _, send, recv = t.wire
+            self.wire += send.nbytes
+            self.pulled += recv.nbytes
         self.fp32 += t.buffers.nbytes
         self.comm_s += t.t_comm
         self.compress_s += t.t_proc

@@ -170,12 +170,13 @@ class Planner:
         if codec is not None and not self.config.offload:
             b.device = self._device_codec(codec)
         self.transport.declare(b.wire.fp, b.grad_buf)
-        for i, r in enumerate(b.rounds):
-            r.key = b.wire.bit if i == 0 else self.transport.keys.rounds(1)[0]
-            if r.route == "sum":
-                self.transport.declare(r.key, r.send)
-            else:
-                self.transport.declare_gather(r.key, r.send, r.recv)
+        for c, rounds in enumerate(b.round_sets):
+            for i, r in enumerate(rounds):
+                r.key = b.wire.bit if c == i == 0 else self.transport.keys.rounds(1)[0]
+                if r.route == "sum":
+                    self.transport.declare(r.key, r.send)
+                else:
+                    self.transport.declare_gather(r.key, r.send, r.recv)
         self.keys[key] = b
         self.steps[key] = 0
         return b
@@ -218,7 +219,8 @@ class Planner:
                             and decodes_in_update(b))
         return Transfer(b, push.step, [push], settings, self.label(push.key), compressed,
                         priority=push.priority, serial=serial,
-                        decode_in_update=decode_in_update, check=check)
+                        decode_in_update=decode_in_update, check=check,
+                        wire_class=b.codec.wire_class if compressed else 0)
 
     # -- fused buckets ---------------------------------------------------------------------
     def bucket(self, key):

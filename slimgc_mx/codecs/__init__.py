@@ -8,10 +8,10 @@ One file per codec; each registers itself (docs/codecs.md, docs/extending.md). N
 here imports MXNet.
 """
 from . import fourbit, none, onebit, terngrad, twobit  # noqa: F401  (each registers itself)
-from .base import Codec, NonFiniteGradientError
+from .base import Codec, NonFiniteGradientError, OptimizerView
 from .feedback import ErrorFeedback
 from .lanes import LaneCodec, lane_geometry
 from .registry import available, create, option_names, register
 
-__all__ = ["Codec", "ErrorFeedback", "LaneCodec", "NonFiniteGradientError", "available",
-           "create", "lane_geometry", "option_names", "register"]
+__all__ = ["Codec", "ErrorFeedback", "LaneCodec", "NonFiniteGradientError", "OptimizerView",
+           "available", "create", "lane_geometry", "option_names", "register"]
