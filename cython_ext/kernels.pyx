@@ -309,6 +309,7 @@ include "codec_1bit.pxi"
 include "codec_2bit.pxi"
 include "codec_4bit.pxi"
 include "codec_terngrad.pxi"
+include "codec_gcomp.pxi"
 
 
 # ---------------------------------------------------------------- decoder

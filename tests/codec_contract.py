@@ -5,6 +5,8 @@
 
 Workers are simulated in one process: one codec instance per worker (as the kvstore
 keeps one per key and worker), their wire arrays summed (or gathered) as the servers do.
+A codec that wants the optimizer's view gets `views(step, rank, size)` before each encode
+(an OptimizerView, or None), as the kvstore sets one before each push.
 """
 import numpy as np
 
@@ -46,7 +48,7 @@ def make(name, n_workers, reference, options, num_threads=1, key=0):
 def combine(codec, wires, order, num_workers):
     """What the servers return: the sum of the workers' arrays in `order` (float adds), or
     for a gathering codec, every worker's slot side by side."""
-    if codec.wire_rounds(1, (1,), num_workers)[0][0] == "gather":
+    if codec.wire_classes(1, (1,), num_workers)[0][0][0] == "gather":
         return np.concatenate([wires[j] for j in range(num_workers)])
     total = np.zeros_like(wires[0])
     for j in order:
@@ -55,7 +57,7 @@ def combine(codec, wires, order, num_workers):
 
 
 def run_steps(name, n_workers, size, steps, options, seed=0, num_threads=1, reference=False,
-              shape=None):
+              shape=None, views=None):
     """Simulate `steps` pushes: per step the wire arrays, residuals and decoded sums."""
     rng = np.random.default_rng(seed)
     cs = make(name, n_workers, reference, options, num_threads)
@@ -63,6 +65,9 @@ def run_steps(name, n_workers, size, steps, options, seed=0, num_threads=1, refe
     history = []
     for step in range(steps):
         grads = [gradient(rng, size) for _ in range(n_workers)]
+        if views is not None:
+            for j, c in enumerate(cs):
+                c.set_optimizer_view(views(step, j, size))
         wires = [c.encode(g, r, n_workers, rank=j)
                  for j, (c, g, r) in enumerate(zip(cs, grads, residuals))]
         total = combine(cs[0], wires, range(n_workers), n_workers)
@@ -76,11 +81,11 @@ def run_steps(name, n_workers, size, steps, options, seed=0, num_threads=1, refe
 
 
 def check_kernel_equals_reference(name, n_workers, size, steps=3, options=None, seed=0,
-                                  num_threads=1):
+                                  num_threads=1, views=None):
     """Compiled kernels and NumPy reference: bitwise the same wires, residuals, sums, states."""
     options = options or {}
-    got = run_steps(name, n_workers, size, steps, options, seed, num_threads)
-    ref = run_steps(name, n_workers, size, steps, options, seed, reference=True)
+    got = run_steps(name, n_workers, size, steps, options, seed, num_threads, views=views)
+    ref = run_steps(name, n_workers, size, steps, options, seed, reference=True, views=views)
     for step, (a, b) in enumerate(zip(got, ref)):
         for j in range(n_workers):
             assert_same(a["wires"][j], b["wires"][j], "wire of worker %d step %d" % (j, step))
@@ -89,10 +94,10 @@ def check_kernel_equals_reference(name, n_workers, size, steps=3, options=None, 
         assert a["state"] == b["state"], step
 
 
-def check_threads_bitwise_equal(name, n_workers=2, size=300_001, options=None):
+def check_threads_bitwise_equal(name, n_workers=2, size=300_001, options=None, views=None):
     """1 thread and several give the same wires, residuals and sums, bit for bit."""
-    runs = [run_steps(name, n_workers, size, 2, options or {}, seed=3, num_threads=t)
-            for t in (1, 2, 5)]
+    runs = [run_steps(name, n_workers, size, 2, options or {}, seed=3, num_threads=t,
+                      views=views) for t in (1, 2, 5)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             for x, y in zip(a["wires"] + a["residuals"] + a["decoded"],
@@ -124,11 +129,11 @@ def check_sums_in_any_order_decode_alike(name, n_workers=5, size=4097, options=N
             c.decode(total, size, n_workers)
 
 
-def check_error_feedback_identity(name, size=4097, steps=4, options=None):
+def check_error_feedback_identity(name, size=4097, steps=4, options=None, views=None):
     """One worker: g + r_before == decoded + r_after, up to the float32 roundings of
     c = g + r and c - x (the seam of codecs/feedback.py)."""
     options = options or {}
-    for step, h in enumerate(run_steps(name, 1, size, steps, options, seed=4)):
+    for step, h in enumerate(run_steps(name, 1, size, steps, options, seed=4, views=views)):
         before = np.zeros(size, np.float32) if step == 0 else prev
         c32 = h["grads"][0] + before
         lhs = h["grads"][0].astype(np.float64) + before

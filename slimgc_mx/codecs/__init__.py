@@ -7,7 +7,7 @@
 One file per codec; each registers itself (docs/codecs.md, docs/extending.md). Nothing
 here imports MXNet.
 """
-from . import fourbit, none, onebit, terngrad, twobit  # noqa: F401  (each registers itself)
+from . import fourbit, none, onebit, terngrad, twobit, gcomp  # noqa: F401  (each registers itself)
 from .base import Codec, NonFiniteGradientError, OptimizerView
 from .feedback import ErrorFeedback
 from .lanes import LaneCodec, lane_geometry
