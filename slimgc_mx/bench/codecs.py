@@ -79,21 +79,51 @@ def rates(size, seconds):
     return size / best, size / median
 
 
+def received(codec, wire, n_workers):
+    """What N identical workers get back: the sum of their arrays (every digit sum stays
+    below R), or for a gathering codec every worker's slot side by side."""
+    if codec.wire_classes(1, (1,), n_workers)[0][0][0] == "gather":
+        return np.tile(wire, n_workers)
+    return wire * n_workers
+
+
+def optimizer_view(n, seed):
+    """For a codec that wants the optimizer's view: SGD with momentum 0.9, lr 0.05, weights
+    N(0, 0.05^2) and a gradient averaged over a batch of 64 (rescale 1/64)."""
+    w = (0.05 * np.random.default_rng(seed + 1).standard_normal(n)).astype(np.float32)
+    m = np.zeros(n, np.float32)
+    return codecs.OptimizerView("sgd", lambda: (w, m, None), lr=0.05, momentum=0.9,
+                                rescale_grad=1.0 / 64)
+
+
 def bench_codec(name, args, grad, n_threads):
-    """Rates of one codec: encode/decode with all threads and with one, and the reference."""
+    """Rates of one codec: encode/decode with all threads and with one, and the reference.
+
+    One push is encoded and decoded first, so that state agreed through decode (scales,
+    code tables, slot sizes) is as in training; each timed decode starts from that state.
+    """
     n, n_workers = grad.shape[0], args.workers
     threshold = args.threshold if name == "2bit" else None
+    view = optimizer_view(n, args.seed) if codecs.create(name).wants_optimizer else None
     result = {}
     for label, impl in (("", dict(num_threads=n_threads)), ("_1thread", dict(num_threads=1)),
                         ("reference_", dict(reference=True))):
         c = codecs.create(name, threshold=threshold, **impl)
+        c.set_optimizer_view(view)
         residual = np.zeros(n, np.float32)
+        c.decode(received(c, c.encode(grad, residual, n_workers), n_workers), n, n_workers)
+        state = c.state_dict()
+        residual[:] = 0
         lanes = np.empty(c.lane_count(n, n_workers), c.wire_dtype)
         out = np.empty(n, np.float32)
         repeat = args.reference_repeat if impl.get("reference") else args.repeat
         enc = rates(n, timed(lambda: c.encode(grad, residual, n_workers, out=lanes), repeat))
-        total = lanes * n_workers   # N identical workers: every digit sum stays below R
-        dec = rates(n, timed(lambda: c.decode(total, n, n_workers, out=out), repeat))
+        total = received(c, lanes, n_workers)
+
+        def decode():
+            c.load_state_dict(state)
+            c.decode(total, n, n_workers, out=out)
+        dec = rates(n, timed(decode, repeat))
         if label == "reference_":
             keys = ("reference_encode", "reference_decode")
         else:
