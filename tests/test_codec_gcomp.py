@@ -190,8 +190,8 @@ def test_slot_classes_follow_the_payload():
     c = codecs.create("gcomp", delta_slack=12)
     c.load_state_dict(h[1]["state"])
     need = max(gcomp_wanted(w) for w in h[1]["wires"])
-    assert c.lane_count(size, 2) >= need + math.ceil(need * 0.0625)
-    target = need + math.ceil(need * 0.0625)
+    assert c.lane_count(size, 2) >= need + math.ceil(need * 0.02)
+    target = need + math.ceil(need * 0.02)
     assert c.wire_class == len(rows) - 1 or rows[c.wire_class + 1] * cols < target
     assert len(h[2]["wires"][0]) == c.lane_count(size, 2) < len(h[0]["wires"][0])
 
@@ -366,3 +366,24 @@ def test_the_view_names_mxnets_update(name):
     np.testing.assert_allclose(still, E * w + B * m, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(still - step(g), D * g, rtol=1e-3, atol=1e-6)
     assert math.isclose(view.lr, 0.05) and view.momentum == 0.9
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("bound", [None, 64])
+def test_the_gather_route_on_mxnet_servers(tmp_path, bound):
+    """2 workers and 2 stock servers (bound 64: every slot split over both): slots change
+    size from push to push, each class its own row_sparse key; a stale or shifted row would
+    fail decode's checks. Workers end bitwise equal; each pulls both slots."""
+    import json
+    import sys
+    from test_distributed import _launch
+    out = tmp_path / "gcomp"
+    options = [] if bound is None else ["--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % bound]
+    _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor",
+                   "gcomp", "--comm-threshold", "off", "--steps", "12"], 240, options)
+    info = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
+    assert info[0]["sha256"] == info[1]["sha256"]
+    stats = info[0]["stats"]
+    assert stats["compressed_transfers"] == 4 * 12
+    assert stats["bytes_pulled"] == 2 * stats["bytes_pushed"]
+    assert stats["bytes_pushed"] < stats["bytes_fp32"]

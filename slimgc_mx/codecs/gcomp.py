@@ -195,7 +195,7 @@ class GComp(Codec):
         "class_ratio": Option(float, 2 ** 0.25, lambda v: 1.01 <= v <= 4.0,
                               "a number in 1.01..4: the size ratio of consecutive slot "
                               "classes"),
-        "headroom": Option(float, 0.0625, lambda v: 0.0 <= v <= 1.0,
+        "headroom": Option(float, 0.02, lambda v: 0.0 <= v <= 1.0,
                            "a number in 0..1: the margin over the last payload when the "
                            "next slot is chosen"),
     }
@@ -258,10 +258,10 @@ class GComp(Codec):
         return rows * cols
 
     def wire_bits_per_element(self, num_workers):
-        """Bits per element pushed in the largest slot class, an upper bound: the slots
-        follow the data (docs/codecs.md has the measured average); each worker pulls N
-        slots."""
-        return TOP_BITS
+        """Bits per element pushed in the largest slot class (24 payload bits per 32-bit
+        lane), an upper bound: the slots follow the data (docs/codecs.md has the measured
+        average); each worker pulls N slots."""
+        return TOP_BITS * 32 / 24
 
     def wire_rounds(self, size, shape, num_workers):
         n = check_num_workers(num_workers)
