@@ -368,6 +368,7 @@ include "codec_randomk.pxi"
 include "codec_powersgd.pxi"
 include "codec_topk.pxi"
 include "codec_dgc.pxi"
+include "codec_gcomp.pxi"
 
 
 # ---------------------------------------------------------------- decoder

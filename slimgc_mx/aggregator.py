@@ -171,8 +171,11 @@ class Aggregator:
                                    partial(self.local_updater(), b.index, check=push.check))
         settings = OptSettings.of(self.update.optimizer)
         if bucket is None:
-            self._submit(self.planner.transfer(push, settings, self.update.decodes_in_update),
-                         grad)
+            transfer = self.planner.transfer(push, settings, self.update.decodes_in_update)
+            if transfer.compressed and b.codec.wants_optimizer:
+                b.codec.set_optimizer_view(self.update.codec_view(
+                    b.index, self.backup.glo_buffer(key), settings))
+            self._submit(transfer, grad)
         elif bucket.add(push, settings):
             self._submit(bucket.take(self.name_of))
         self.planner.steps[key] = step + 1
@@ -185,6 +188,8 @@ class Aggregator:
         grad = _sum(grads)
         copy_array(grad, b.grad_buf.nd)
         push = Push(key, b, step, local=False, priority=priority)
+        if b.codec is not None and b.codec.wants_optimizer:
+            b.codec.set_optimizer_view(None)  # a plain sum: no optimizer to weigh values by
         self._submit(self.planner.transfer(push, None, None, compress=self.compress_sums), grad)
         self.planner.steps[key] = step + 1
 

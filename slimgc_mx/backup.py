@@ -85,6 +85,10 @@ class ModelBackup:
     def glo_buf(self, key):
         return self._slots[key].glo_buf
 
+    def glo_buffer(self, key):
+        """glo_buf of `key` as its Buffer (NDArray and NumPy view of the same memory)."""
+        return self._slots[key].glo
+
     def version(self, key):
         return self._slots[key].version
 

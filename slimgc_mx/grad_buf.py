@@ -5,7 +5,9 @@ as fp_buf, the compressed route encodes it into bit_buf (the codec's lanes). Wha
 back is the sum over workers: `agg` for fp_buf, `bit_sum` for bit_buf, decoded into
 `agg` (or inside the SGD kernel's update). A codec may exchange several rounds per step
 (PowerSGD: P, then Q) and gather instead of sum (TopK: every worker's slot side by
-side); each round has its own send and receive buffers (`rounds`).
+side); each round has its own send and receive buffers (`rounds`). A codec whose payload
+size follows the data (gcomp) pre-declares several slot sizes, `wire_classes`, and picks
+one per push (`codec.wire_class`); their buffers share the memory of the largest.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -53,13 +55,24 @@ class KeyBuffers:
         self.residual_pending = False  # the residual may hold error feedback not yet sent
         if codec is not None:
             self.residual = make_buffer((codec.memory_size(size),), np.float32)
-            self.rounds = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
-                           for route, send, recv, dtype in codec.wire_rounds(
-                               size, self.shape, num_workers)]
-            self.bit_buf, self.bit_sum = self.rounds[0].send, self.rounds[0].recv
+            self.round_sets = _round_sets(codec.wire_classes(size, self.shape, num_workers),
+                                          make_buffer)
         else:  # compressor 'none': full precision only, no error feedback
-            self.residual = self.bit_buf = self.bit_sum = None
-            self.rounds = []
+            self.residual = None
+            self.round_sets = []
+
+    @property
+    def rounds(self):
+        """The WireRounds of the codec's current slot class (what the next push uses)."""
+        return self.round_sets[self.codec.wire_class] if self.round_sets else []
+
+    @property
+    def bit_buf(self):
+        return self.rounds[0].send if self.round_sets else None
+
+    @property
+    def bit_sum(self):
+        return self.rounds[0].recv if self.round_sets else None
 
     @property
     def fp_buf(self):
@@ -69,6 +82,24 @@ class KeyBuffers:
     @property
     def label(self):
         return "key #%d" % self.index
+
+
+def _round_sets(classes, make_buffer):
+    """WireRounds per slot class; with several classes, round i's buffers of every class are
+    views of the largest one's (a key has one transfer in flight, so one class at a time)."""
+    if len(classes) == 1:
+        return [[WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
+                 for route, send, recv, dtype in classes[0]]]
+    if any(len(rounds) != len(classes[0]) for rounds in classes):
+        raise ValueError("every wire class must have the same number of rounds")
+    shared = []
+    for i in range(len(classes[0])):
+        dtype = classes[0][i][3]
+        send = max((int(np.prod(rounds[i][1])) for rounds in classes))
+        recv = max((int(np.prod(rounds[i][2])) for rounds in classes))
+        shared.append((make_buffer((send,), dtype), make_buffer((recv,), dtype)))
+    return [[WireRound(route, shared[i][0].view(0, send), shared[i][1].view(0, recv))
+             for i, (route, send, recv, _) in enumerate(rounds)] for rounds in classes]
 
 
 class GradCheck:

@@ -68,6 +68,7 @@ class Transfer:
     nonfinite: bool = False  # this worker's gradient held NaN/Inf: it sends NaN
     plan: tuple = (0,)  # compressed: the key's rounds this push exchanges (Codec.push_rounds)
     round: int = 0  # the exchange under way: a position in `plan`
+    wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
 
     def ready_array(self):
         """The NDArray the transfer waits for before it enters (its producer's output)."""
@@ -81,7 +82,7 @@ class Transfer:
     @property
     def exchange(self):
         """The grad_buf.WireRound under way (compressed transfers)."""
-        return self.buffers.rounds[self.plan[self.round]]
+        return self.wire_rounds[self.plan[self.round]]
 
     @property
     def wire(self):
@@ -93,6 +94,11 @@ class Transfer:
         return b.wire.fp, b.fp_buf, b.agg
 
     @property
+    def wire_rounds(self):
+        """The WireRounds of its push (all rounds; compressed transfers only)."""
+        return self.buffers.round_sets[self.wire_class]
+
+    @property
     def gathers(self):
         """True when this round's result is every worker's slot side by side, not a sum."""
         return self.compressed and self.exchange.route == "gather"
@@ -101,7 +107,7 @@ class Transfer:
         """(bytes pushed, bytes pulled) over all its exchanges: a gather pulls N slots."""
         if not self.compressed:
             return self.buffers.fp_buf.nbytes, self.buffers.agg.nbytes
-        rounds = [self.buffers.rounds[i] for i in self.plan]
+        rounds = [self.wire_rounds[i] for i in self.plan]
         return sum(r.send.nbytes for r in rounds), sum(r.recv.nbytes for r in rounds)
 
 
@@ -285,7 +291,7 @@ class Pipeline:
                     "did" if t.nonfinite else "was finite"))
         if not (t.compressed and t.round + 1 < len(t.plan)):
             return False
-        nxt = b.rounds[t.plan[t.round + 1]].send
+        nxt = t.wire_rounds[t.plan[t.round + 1]].send
         t0 = time.perf_counter()
         b.codec.next_round(t.round, values, nxt.for_write(), n)
         t.t_proc += time.perf_counter() - t0

@@ -65,6 +65,7 @@ class Bucket:
             self.rounds = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
                            for route, send, recv, dtype in codec.wire_rounds(
                                self.size, (self.size,), num_workers)]
+        self.round_sets = [self.rounds] if self.rounds else []  # one wire class
         self.bit_buf = self.rounds[0].send if self.rounds else None
         self.bit_sum = self.rounds[0].recv if self.rounds else None
         self.pending = []
@@ -214,12 +215,13 @@ class Planner:
         if codec is not None and not self.config.offload:
             b.device = self._device_codec(codec)
         self.transport.declare(b.wire.fp, b.grad_buf)
-        for i, r in enumerate(b.rounds):
-            r.key = b.wire.bit if i == 0 else self.transport.keys.rounds(1)[0]
-            if r.route == "sum":
-                self.transport.declare(r.key, r.send)
-            else:
-                self.transport.declare_gather(r.key, r.send, r.recv)
+        for c, rounds in enumerate(b.round_sets):
+            for i, r in enumerate(rounds):
+                r.key = b.wire.bit if c == i == 0 else self.transport.keys.rounds(1)[0]
+                if r.route == "sum":
+                    self.transport.declare(r.key, r.send)
+                else:
+                    self.transport.declare_gather(r.key, r.send, r.recv)
         self.keys[key] = b
         self.steps[key] = 0
         return b
@@ -271,7 +273,8 @@ class Planner:
             else (0,)
         return Transfer(b, push.step, [push], settings, self.label(push.key), compressed,
                         priority=push.priority, serial=serial,
-                        decode_in_update=decode_in_update, check=check, plan=plan)
+                        decode_in_update=decode_in_update, check=check, plan=plan,
+                        wire_class=b.codec.wire_class if compressed else 0)
 
     # -- fused buckets ---------------------------------------------------------------------
     def bucket(self, key):
@@ -294,7 +297,8 @@ class Planner:
         limit = self.fuse_limit()
         small = {k: b for k, b in self.keys.items() if k not in members and self.steps[k] > 0
                  and b.codec is not None and b.device is None and b.nbytes < limit
-                 and b.codec.rounds == 1 and b.rounds[0].route == "sum"}
+                 and b.codec.rounds == 1 and b.rounds[0].route == "sum"
+                 and len(b.round_sets) == 1 and b.codec.memory_size(b.size) == b.size}
         for key in list(members) + list(small):  # no transfer still reads their buffers
             self._wait_version(key, self.steps[key])
 

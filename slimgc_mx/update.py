@@ -13,6 +13,7 @@ import mxnet as mx
 import numpy as np
 
 from . import sgd
+from .codecs import OptimizerView
 from .transport import copy_array
 
 
@@ -138,6 +139,56 @@ def _state_array(state):
     return state
 
 
+#: MXNet optimizers whose update rule an OptimizerView names (codecs/base.py).
+_VIEW_KINDS = {mx.optimizer.SGD: "sgd", mx.optimizer.NAG: "nag", mx.optimizer.Adam: "adam"}
+
+
+def _mult(opt, index, attr):
+    """lr_mult or wd_mult of `index`, found as MXNet's _get_lrs / _get_wds find it."""
+    param = (opt.param_dict or {}).get(index)
+    if param is not None:
+        return float(getattr(param, attr))
+    table = getattr(opt, attr, None) or {}
+    if index in table:
+        return float(table[index])
+    name = (getattr(opt, "idx2name", None) or {}).get(index)
+    return float(table.get(name, 1.0)) if name is not None else 1.0
+
+
+def optimizer_view(opt, index, arrays, settings=None):
+    """The codecs.OptimizerView of key `index` under MXNet optimizer `opt`, or None for an
+    optimizer the view has no kind for (the codec then uses its default).
+
+    arrays: () -> (w_i, state1, state2) as float32 NumPy arrays, called on the encoding
+    thread. lr and wd: the step's settings (OptSettings, default `opt`'s own) times the
+    parameter's lr_mult / wd_mult; with an lr scheduler that is its base rate, since
+    calling the scheduler here would race with the update's.
+    """
+    kind = _VIEW_KINDS.get(type(opt))
+    if kind is None:
+        return None
+    s = settings if settings is not None else OptSettings.of(opt)
+    count = opt._index_update_count.get(index, opt.begin_num_update)
+    return OptimizerView(kind, arrays, lr=float(s.lr) * _mult(opt, index, "lr_mult"),
+                         wd=float(s.wd) * _mult(opt, index, "wd_mult"),
+                         rescale_grad=float(s.rescale_grad),
+                         momentum=float(getattr(opt, "momentum", 0.0) or 0.0),
+                         beta1=float(getattr(opt, "beta1", 0.9)),
+                         beta2=float(getattr(opt, "beta2", 0.999)),
+                         epsilon=float(getattr(opt, "epsilon", 1e-8)), t=int(count) + 1)
+
+
+def state_arrays(state):
+    """An MXNet optimizer state (NDArray, tuple of them, or None) as (state1, state2):
+    flat float32 NumPy copies, None where absent."""
+    if state is None:
+        return None, None
+    if isinstance(state, (list, tuple)):
+        parts = [None if x is None else x.asnumpy().ravel() for x in state[:2]]
+        return tuple(parts + [None] * (2 - len(parts)))
+    return state.asnumpy().ravel(), None
+
+
 def check_loc_optimizer(name):
     """Raise ValueError unless `name` (option loc_optimizer) is None or an MXNet optimizer."""
     registry = mx.optimizer.Optimizer.opt_registry
@@ -186,6 +237,23 @@ class GlobalUpdate:
         """True when a compressed key's sum can be decoded inside the SGD kernel's update."""
         return (self.kernel is not None and buffers.device is None
                 and buffers.codec.decodes_by_table)
+
+    def codec_view(self, index, glo, settings):
+        """What a codec that wants_optimizer may read of key `index` at this push: glo
+        (the Buffer of glo_buf, w_i) and the optimizer's state, read on the encoding
+        thread once the last update has written them (the SGD kernel's momentum in place;
+        an Updater's states as copies)."""
+        opt = self.updater.optimizer
+
+        def arrays():
+            weight = glo.for_read()
+            if self.kernel is not None:
+                mom = self.kernel.momentum(index, glo.nd.shape)
+                return weight, (mom.for_read() if mom is not None else None), None
+            s1, s2 = state_arrays(self.updater.states.get(index))
+            return weight, s1, s2
+
+        return optimizer_view(opt, index, arrays, settings)
 
     def prepare(self, transfer, num_workers):
         """What update() needs of a transfer, read before it waits for the loc_buf flag.

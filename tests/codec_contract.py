@@ -5,6 +5,8 @@
 
 Workers are simulated in one process: one codec instance per worker (as the kvstore
 keeps one per key and worker), their wire arrays summed (or gathered) as the servers do.
+A codec that wants the optimizer's view gets `views(step, rank, size)` before each encode
+(an OptimizerView, or None), as the kvstore sets one before each push.
 """
 import numpy as np
 
@@ -90,10 +92,11 @@ def push(cs, grads, residuals, size, shape=None, order=None):
 
 
 def run_steps(name, n_workers, size, steps, options, seed=0, num_threads=1, reference=False,
-              shape=None, order_seed=None):
+              shape=None, order_seed=None, views=None):
     """Simulate `steps` pushes: per step the wire arrays, residuals and decoded sums.
     shape: the tensor's shape (a codec whose wire depends on it); order_seed: the servers
-    add in a random order per round (else in rank order)."""
+    add in a random order per round (else in rank order); views(step, rank, size): the
+    optimizer's view each worker's codec gets before the push (wants_optimizer)."""
     rng = np.random.default_rng(seed)
     cs = make(name, n_workers, reference, options, num_threads, size=size, shape=shape)
     residuals = [np.zeros(cs[0].memory_size(size), np.float32) for _ in range(n_workers)]
@@ -101,6 +104,9 @@ def run_steps(name, n_workers, size, steps, options, seed=0, num_threads=1, refe
     history = []
     for step in range(steps):
         grads = [gradient(rng, size) for _ in range(n_workers)]
+        if views is not None:
+            for j, c in enumerate(cs):
+                c.set_optimizer_view(views(step, j, size))
         order = None if orders is None else (lambda done: orders.permutation(n_workers))
         wires, decoded = push(cs, grads, residuals, size, shape, order)
         history.append({"grads": grads, "wires": wires, "residuals": [r.copy() for r in residuals],
@@ -113,11 +119,13 @@ def run_steps(name, n_workers, size, steps, options, seed=0, num_threads=1, refe
 
 
 def check_kernel_equals_reference(name, n_workers, size, steps=3, options=None, seed=0,
-                                  num_threads=1, shape=None):
+                                  num_threads=1, shape=None, views=None):
     """Compiled kernels and NumPy reference: bitwise the same wires, residuals, sums, states."""
     options = options or {}
-    got = run_steps(name, n_workers, size, steps, options, seed, num_threads, shape=shape)
-    ref = run_steps(name, n_workers, size, steps, options, seed, reference=True, shape=shape)
+    got = run_steps(name, n_workers, size, steps, options, seed, num_threads, shape=shape,
+                    views=views)
+    ref = run_steps(name, n_workers, size, steps, options, seed, reference=True, shape=shape,
+                    views=views)
     for step, (a, b) in enumerate(zip(got, ref)):
         for j in range(n_workers):
             assert_same(a["wires"][j], b["wires"][j], "wire of worker %d step %d" % (j, step))
@@ -126,10 +134,11 @@ def check_kernel_equals_reference(name, n_workers, size, steps=3, options=None, 
         assert same_state(a["state"], b["state"]), step
 
 
-def check_threads_bitwise_equal(name, n_workers=2, size=300_001, options=None, shape=None):
+def check_threads_bitwise_equal(name, n_workers=2, size=300_001, options=None, shape=None,
+                                views=None):
     """1 thread and several give the same wires, residuals and sums, bit for bit."""
     runs = [run_steps(name, n_workers, size, 2, options or {}, seed=3, num_threads=t,
-                      shape=shape)
+                      shape=shape, views=views)
             for t in (1, 2, 5)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
@@ -162,12 +171,14 @@ def check_sums_in_any_order_decode_alike(name, n_workers=5, size=4097, options=N
             c.decode(total, size, n_workers)
 
 
-def check_error_feedback_identity(name, size=4097, steps=4, options=None, shape=None):
+def check_error_feedback_identity(name, size=4097, steps=4, options=None, shape=None,
+                                  views=None):
     """One worker: g + r_before == decoded + r_after, up to the float32 roundings of
     c = g + r and c - x (the seam of codecs/feedback.py); r is the first `size` elements
     of the codec's memory."""
     options = options or {}
-    history = run_steps(name, 1, size, steps, options, seed=4, shape=shape)
+    history = run_steps(name, 1, size, steps, options, seed=4, shape=shape,
+                        views=views)
     for step, h in enumerate(history):
         before = history[step - 1]["residuals"][0][:size] if step else np.zeros(size, np.float32)
         after = h["residuals"][0][:size]

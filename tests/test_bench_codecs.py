@@ -28,7 +28,7 @@ def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
     assert report["wire_bits"]["2bit"]["1"] == pytest.approx(64 / 33)
     assert report["wire_bits"]["powersgd"]["32"] == pytest.approx(32 * 4 * 150 / 5000)
     # a gathering codec's pull grows with N
-    assert report["wire_route"] == {name: "gather" if name in ("topk", "dgc") else "sum"
+    assert report["wire_route"] == {name: "gather" if name in ("topk", "dgc", "gcomp") else "sum"
                                     for name in codecs.available()}
     topk_bits = report["wire_bits"]["topk"]
     assert topk_bits["32"] == pytest.approx(32 * topk_bits["1"])

@@ -99,33 +99,70 @@ def _from_identical_workers(send, recv, route, n_workers):
         np.multiply(send, n_workers, out=recv)
 
 
+def optimizer_view(n, seed):
+    """For a codec that wants the optimizer's view: SGD with momentum 0.9, lr 0.05, weights
+    N(0, 0.05^2) and a gradient averaged over a batch of 64 (rescale 1/64)."""
+    w = (0.05 * np.random.default_rng(seed + 1).standard_normal(n)).astype(np.float32)
+    m = np.zeros(n, np.float32)
+    return codecs.OptimizerView("sgd", lambda: (w, m, None), lr=0.05, momentum=0.9,
+                                rescale_grad=1.0 / 64)
+
+
+class _Wire:
+    """Send and receive arrays of every round of a codec's current wire class."""
+
+    def __init__(self, codec, size, shape, n_workers):
+        self.rounds = codec.wire_rounds(size, shape, n_workers)
+        self.sends = [np.empty(int(np.prod(send)), dtype) for _, send, _, dtype in self.rounds]
+        self.recvs = [np.empty(int(np.prod(recv)), dtype) for _, _, recv, dtype in self.rounds]
+
+    def encode(self, codec, grad, residual, n_workers):
+        """Every round a worker computes before decoding; the last round's result in recvs."""
+        codec.encode(grad, residual, n_workers, out=self.sends[0])
+        for done in range(len(self.rounds)):
+            _from_identical_workers(self.sends[done], self.recvs[done], self.rounds[done][0],
+                                    n_workers)
+            if done + 1 < len(self.rounds):
+                codec.next_round(done, self.recvs[done], self.sends[done + 1], n_workers)
+
+
 def bench_codec(name, args, grad, n_threads):
     """Rates of one codec: encode/decode with all threads and with one, and the reference.
 
     Encode covers every round a worker computes before decoding (a codec with several
-    rounds: encode, then next_round from the sums of N identical workers)."""
+    rounds: encode, then next_round from the sums of N identical workers). One push is
+    encoded and decoded first, so that state agreed through decode (scales, code tables,
+    slot sizes) is as in training; each timed decode starts from that state.
+    """
     n, n_workers = grad.shape[0], args.workers
     threshold = args.threshold if name == "2bit" else None
+    view = optimizer_view(n, args.seed) if codecs.create(name).wants_optimizer else None
     result = {}
     for label, impl in (("", dict(num_threads=n_threads)), ("_1thread", dict(num_threads=1)),
                         ("reference_", dict(reference=True))):
         c = codecs.create(name, threshold=threshold, **impl)
-        rounds = c.wire_rounds(n, bench_shape(c, n), n_workers)
-        sends = [np.empty(int(np.prod(send)), dtype) for _, send, _, dtype in rounds]
-        recvs = [np.empty(int(np.prod(recv)), dtype) for _, _, recv, dtype in rounds]
+        c.set_optimizer_view(view)
+        shape = bench_shape(c, n)
         residual = np.zeros(c.memory_size(n), np.float32)
         out = np.empty(n, np.float32)
+        first = _Wire(c, n, shape, n_workers)
+        first.encode(c, grad, residual, n_workers)
+        c.decode(first.recvs[-1], n, n_workers, out=out)
+        state = c.state_dict()
+        residual[:] = 0
+        wire = _Wire(c, n, shape, n_workers)
         repeat = args.reference_repeat if impl.get("reference") else args.repeat
+        enc = rates(n, timed(lambda: wire.encode(c, grad, residual, n_workers), repeat))
 
-        def encode():
-            c.encode(grad, residual, n_workers, out=sends[0])
-            for done in range(len(rounds) - 1):
-                _from_identical_workers(sends[done], recvs[done], rounds[done][0], n_workers)
-                c.next_round(done, recvs[done], sends[done + 1], n_workers)
+        # decode from the state of the push (slot class, code table); a codec with several
+        # rounds keeps its push's earlier rounds instead, which a restore would drop
+        restore = c.rounds == 1
 
-        enc = rates(n, timed(encode, repeat))
-        _from_identical_workers(sends[-1], recvs[-1], rounds[-1][0], n_workers)
-        dec = rates(n, timed(lambda: c.decode(recvs[-1], n, n_workers, out=out), repeat))
+        def decode():
+            if restore:
+                c.load_state_dict(state)
+            c.decode(wire.recvs[-1], n, n_workers, out=out)
+        dec = rates(n, timed(decode, repeat))
         if label == "reference_":
             keys = ("reference_encode", "reference_decode")
         else:

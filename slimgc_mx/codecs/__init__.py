@@ -7,12 +7,12 @@
 One file per codec; each registers itself (docs/codecs.md, docs/extending.md). Nothing
 here imports MXNet.
 """
-from . import (dgc, fourbit, none, onebit, powersgd, qsgd, randomk, terngrad,  # noqa: F401
-               thc, topk, twobit)  # (each registers its codec)
-from .base import Codec, NonFiniteGradientError
+from . import (dgc, fourbit, gcomp, none, onebit, powersgd, qsgd, randomk,  # noqa: F401
+               terngrad, thc, topk, twobit)  # (each registers its codec)
+from .base import Codec, NonFiniteGradientError, OptimizerView
 from .feedback import ErrorFeedback
 from .lanes import LaneCodec, lane_geometry
 from .registry import available, create, option_names, register
 
-__all__ = ["Codec", "ErrorFeedback", "LaneCodec", "NonFiniteGradientError", "available",
-           "create", "lane_geometry", "option_names", "register"]
+__all__ = ["Codec", "ErrorFeedback", "LaneCodec", "NonFiniteGradientError", "OptimizerView",
+           "available", "create", "lane_geometry", "option_names", "register"]

@@ -7,6 +7,8 @@ NDArray path (docs/extending.md).
 """
 import math
 import numbers
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -145,6 +147,34 @@ class Option:
         return self.kind(value)
 
 
+@dataclass
+class OptimizerView:
+    """What the optimizer holds for one key at the push about to be encoded (read-only).
+
+    A codec whose quantization depends on the optimizer (`wants_optimizer`) gets one
+    before each encode; the kvstore builds it, so codecs never see MXNet. `arrays()`,
+    called on the encoding thread, returns (weight, state1, state2): float32 1-D
+    arrays of the key's size (the global weights w_i; None for a state the optimizer
+    does not keep). The kinds and their update rules (g: this step's summed gradient):
+
+        'sgd'   m' = momentum*m - lr*(rescale*g + wd*w);  w' = w + m'   (state1 = m)
+        'nag'   m' = momentum*m - lr*(rescale*g + wd*w);  w' = w + momentum*m' - lr*(rescale*g + wd*w)
+        'adam'  state1, state2 = Adam's mean and variance before this step; t = this
+                step's update count; the rate is lr*sqrt(1-beta2**t)/(1-beta1**t)
+    """
+
+    kind: str
+    arrays: Callable
+    lr: float
+    wd: float = 0.0
+    rescale_grad: float = 1.0
+    momentum: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    t: int = 1
+
+
 class Codec:
     """A gradient codec with its shared per-key state; subclasses give the wire format.
 
@@ -165,6 +195,8 @@ class Codec:
     stochastic = False
     #: The codec applies momentum itself (dgc's momentum correction): the optimizer's must be 0.
     owns_momentum = False
+    #: True when encode reads the optimizer's view of the key (set_optimizer_view).
+    wants_optimizer = False
 
     def __init__(self, threshold=None, num_threads=None, **options):
         threshold = check_threshold(threshold, self.name)
@@ -180,6 +212,7 @@ class Codec:
                               for name, spec in sorted(self.options.items())}
         self.seed = 0  # this key's RNG key (rng.key_seed of the job seed and the key)
         self.pushes = 0  # sums decoded so far: the step every worker agrees on
+        self.optimizer_view = None  # an OptimizerView, for a codec that wants_optimizer
         self._cache = {}
 
     @property
@@ -210,6 +243,15 @@ class Codec:
         """Same parameters, fresh shared state (one instance per key)."""
         return type(self)(threshold=self._threshold, num_threads=self.num_threads,
                           **self.option_values)
+
+    def set_optimizer_view(self, view):
+        """The optimizer's view of this key (an OptimizerView, or None: no optimizer) for the
+        encodes that follow; the kvstore sets it before each push of a codec that
+        wants_optimizer. It is this worker's own input, never shared state."""
+        if view is not None and not isinstance(view, OptimizerView):
+            raise TypeError("%s: set_optimizer_view takes an OptimizerView or None, got %s"
+                            % (self.name, type(view).__name__))
+        self.optimizer_view = view
 
     def push_seed(self):
         """The RNG key of the push about to be encoded: this key's seed and the step."""
@@ -282,6 +324,15 @@ class Codec:
     def next_round(self, done, result, send, num_workers):
         """After round `done` came back as `result`, write round done+1's payload to `send`."""
         raise NotImplementedError
+
+    #: Which of wire_classes() the next push uses: agreed state, changed only by decode.
+    wire_class = 0
+
+    def wire_classes(self, size, shape, num_workers):
+        """Every wire format a push of this key may use, as wire_rounds lists: a codec whose
+        payload size depends on the data pre-declares several slot sizes and picks one per
+        push (`wire_class`). The default: one, wire_rounds()."""
+        return [self.wire_rounds(size, shape, num_workers)]
 
     @property
     def decodes_by_table(self):
