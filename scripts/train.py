@@ -111,7 +111,9 @@ def build_parser():
     g.add_argument("--epochs", type=positive_int, default=10, help="passes over the shard")
     g.add_argument("--batch-size", type=positive_int, default=32, help="per worker")
     g.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--momentum", type=float, default=0.9,
+                   help="SGD momentum (a codec that applies momentum itself, dgc, takes it "
+                   "and the optimizer gets 0)")
     g.add_argument("--wd", type=float, default=0.0, help="weight decay")
     g.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                    help="cosine: decay to 0 over all steps (steadier final accuracy)")
@@ -311,7 +313,16 @@ def main(argv=None, on_step=None):
 
     native_compression = args.kvstore == "dist_sync" and compression_params is not None
     trainer_cls = PushThenPullTrainer if native_compression else gluon.Trainer
-    opt_params = {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd}
+    momentum = args.momentum
+    if compression_params is not None and args.kvstore == "slimgc" and codecs.create(
+            args.compressor, **codec_options(args.codec_option)).owns_momentum:
+        # the codec applies momentum itself (dgc's momentum correction): it takes --momentum
+        compression_params.setdefault("momentum", momentum)
+        momentum = 0.0
+        if is_root:
+            print("codec %s applies momentum %s itself; the optimizer's momentum is 0"
+                  % (args.compressor, compression_params["momentum"]), flush=True)
+    opt_params = {"learning_rate": args.lr, "momentum": momentum, "wd": args.wd}
     if args.lr_schedule == "cosine":
         opt_params["lr_scheduler"] = mx.lr_scheduler.CosineScheduler(
             max_update=steps * args.epochs, base_lr=args.lr, final_lr=0.0)

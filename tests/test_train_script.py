@@ -106,3 +106,13 @@ def test_per_key_cost_reports_every_operation():
     bad = subprocess.run([sys.executable, cost, "--calls", "0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--calls must be at least 1" in bad.stderr
+
+
+def test_dgc_takes_the_momentum_from_the_optimizer(tmp_path):
+    """dgc applies momentum itself: train.py hands --momentum to the codec, the optimizer 0."""
+    out = tmp_path / "r.json"
+    r = _run("--kvstore", "slimgc", "--compressor", "dgc", "--codec-option", "ratio=0.1",
+             "--momentum", "0.8", "--model", "mlp", "--dataset", "digits", "--epochs", "1",
+             "--steps", "3", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]  # the kvstore refuses an optimizer's momentum
+    assert "codec dgc applies momentum 0.8 itself; the optimizer's momentum is 0" in r.stdout
