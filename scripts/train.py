@@ -96,6 +96,9 @@ def build_parser():
     g.add_argument("--no-fuse", action="store_true",
                    help="slimgc: send full-precision tensors one by one instead of one fused "
                         "buffer per server")
+    g.add_argument("--fuse-compressed", default=None, metavar="auto|off|BYTES",
+                   help="slimgc: compressed tensors below this size share one compressed "
+                        "bucket (Cupcake; docs/configuration.md; default: the library's, off)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=sorted(models.MODELS), default="cnn1d",
                    help="mlp, fc: any inputs, flattened; cnn1d: 1-D signals; resnet20, vgg: "
@@ -180,6 +183,8 @@ def make_kvstore(args):
               "comm_threshold": args.comm_threshold,
               "backup": not args.no_backup, "offload": not args.no_offload,
               "fuse": not args.no_fuse}
+    if args.fuse_compressed is not None:
+        params["fuse_compressed"] = args.fuse_compressed
     return kv, params
 
 
@@ -274,9 +279,10 @@ def main(argv=None, on_step=None):
     if args.compressor is None:
         args.compressor = "2bit" if args.kvstore == "slimgc" else "none"
     if args.kvstore != "slimgc" and (args.no_backup or args.no_offload or args.no_fuse
-                                     or args.comm_threshold != "auto"):
-        warnings.warn("--comm-threshold/--no-backup/--no-offload/--no-fuse apply to "
-                      "--kvstore slimgc only")
+                                     or args.comm_threshold != "auto"
+                                     or args.fuse_compressed is not None):
+        warnings.warn("--comm-threshold/--no-backup/--no-offload/--no-fuse/--fuse-compressed "
+                      "apply to --kvstore slimgc only")
     t_start = time.perf_counter()
     random.seed(args.seed)
     np.random.seed(args.seed)

@@ -24,7 +24,7 @@ def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
             assert r[key] > 0, (name, key)
         assert r["encode_vs_memcpy"] == pytest.approx(
             r["encode_elems_per_s"] / report["memcpy_elems_per_s"])
-        assert set(report["wire_bits"][name]) == {"1", "2", "4", "8", "16", "32"}
+        assert set(report["wire_bits"][name]) == {"1", "2", "4", "8", "16", "32", "64"}
     assert report["wire_bits"]["2bit"]["1"] == pytest.approx(64 / 33)
     assert report["wire_bits"]["powersgd"]["32"] == pytest.approx(32 * 4 * 150 / 5000)
     # a gathering codec's pull grows with N

@@ -23,6 +23,8 @@ def test_config_names_map_to_train_options():
     full = cluster.config_args("slimgc-4bit-full")
     assert "--no-backup" not in full and "4bit" in full and "--no-fuse" not in full
     assert cluster.config_args("slimgc-4bit-full-nofuse") == full + ["--no-fuse"]
+    assert cluster.config_args("slimgc-4bit-full-cupcake") == full + ["--fuse-compressed",
+                                                                      "auto"]
     assert cluster.parse_configs("slimgc-1bit,fp32", ["1bit"]) == [
         "slimgc-1bit-classic", "slimgc-1bit-cgopt", "slimgc-1bit-offload", "slimgc-1bit-full",
         "fp32"]

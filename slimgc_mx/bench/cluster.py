@@ -52,14 +52,15 @@ def config_args(name: str) -> List[str]:
     if alone:  # the codec as the paper ran its baselines: everything compressed, no strategy
         name = "slimgc-%s%s-classic" % (alone.group(1), alone.group(2) or "")
     m = re.fullmatch(r"slimgc-([a-z0-9]+)(?:\[([^\]]*)\])?-(classic|cgopt|offload|full)"
-                     r"(-nofuse)?", name)
+                     r"(-nofuse|-cupcake)?", name)
     if not m or m.group(1) not in available_codecs():
         raise ValueError("unknown configuration %r; valid: %s, %s, slimgc-CODEC-STEP and "
                          "CODEC-alone for the codecs %s (options in brackets: "
-                         "slimgc-topk[ratio=0.1]-full; a slimgc one may end in -nofuse)"
+                         "slimgc-topk[ratio=0.1]-full; a slimgc one may end in -nofuse, or in "
+                         "-cupcake for fuse_compressed=auto)"
                          % (name, ", ".join(all_configs()), ", ".join(HOROVOD),
                             ", ".join(available_codecs())))
-    codec, options, step, nofuse = m.groups()
+    codec, options, step, fusion = m.groups()
     args = ["--kvstore", "slimgc", "--compressor", codec, "--threshold", "0.5"]
     for option in filter(None, (options or "").split(";")):
         args += ["--codec-option", option]
@@ -67,7 +68,8 @@ def config_args(name: str) -> List[str]:
              "cgopt": ["--comm-threshold", "auto", "--no-offload", "--no-backup"],
              "offload": ["--comm-threshold", "auto", "--no-backup"],
              "full": ["--comm-threshold", "auto"]}[step]
-    return args + (["--no-fuse"] if nofuse else [])
+    return args + {None: [], "-nofuse": ["--no-fuse"],
+                   "-cupcake": ["--fuse-compressed", "auto"]}[fusion]
 
 
 def uses_slimgc(name: str) -> bool:

@@ -19,7 +19,7 @@ from .. import codecs
 from ..env import available_cpus, default_num_threads
 
 DESCRIPTION = "codec encode/decode throughput vs memcpy and the NumPy reference; wire bits"
-WIRE_WORKERS = (1, 2, 4, 8, 16, 32)
+WIRE_WORKERS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def parse_args(argv, prog):
