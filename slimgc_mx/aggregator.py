@@ -10,6 +10,7 @@ The Aggregator composes the parts (planner, pipeline, backup, updates) over a
 transport; kvstore.SlimGC adapts MXNet's calling conventions to it.
 """
 import logging
+import time
 from functools import partial
 
 import numpy as np
@@ -20,6 +21,7 @@ from .grad_buf import GradCheck, Push
 from .pipeline import Pipeline, TransferStats, mark_nonfinite
 from .planner import Planner
 from .threshold import CTTab, NEVER
+from .trace import Trace
 from .transport import ArrayOps, Buffer, EngineNotifier, copy_array
 from .update import (GlobalUpdate, LocalUpdater, OptSettings, check_loc_optimizer,
                      optimizer_settings)
@@ -53,7 +55,9 @@ class Aggregator:
         self.engine = EngineNotifier()
         self.backup = ModelBackup(cfg.backup, cfg.timeout, ArrayOps(self.engine))
         self.engine.on_error = partial(self.backup.fail, where="an operator run by MXNet's engine")
-        self.pipeline = Pipeline(transport, self._finish, self.backup.fail, self.engine)
+        self.trace = Trace(cfg.trace, transport.rank) if cfg.trace else None
+        self.pipeline = Pipeline(transport, self._finish, self.backup.fail, self.engine,
+                                 self.trace)
         self.planner = Planner(cfg, transport, codec, cttab, Buffer, _device_codec,
                                self.backup.wait_version, self.name_of)
         self.stats = TransferStats()
@@ -167,8 +171,12 @@ class Aggregator:
             self.params_local = True
             if self.planner.checks_in_local_update(b, step):
                 push.check = GradCheck()
+            start = time.perf_counter()
             self.backup.local_step(key, step, b.grad_buf, outs,
                                    partial(self.local_updater(), b.index, check=push.check))
+            if self.trace is not None:
+                self.trace.span("local update", start, time.perf_counter(),
+                                key=self.name_of(key), step=step)
         settings = OptSettings.of(self.update.optimizer)
         if bucket is None:
             transfer = self.planner.transfer(push, settings, self.update.decodes_in_update)
@@ -293,9 +301,13 @@ class Aggregator:
                 or self.backup.failed)
 
     def close(self, join):
-        """Stop the pipeline threads (join=False leaves threads stuck on a dead peer)."""
+        """Stop the pipeline threads (join=False leaves threads stuck on a dead peer); write
+        the trace."""
         self.pipeline.close(join=join)
         self.backup.close()
+        if self.trace is not None:
+            path = self.trace.write()
+            log.info("slimgc: trace of rank %d written to %s", self.transport.rank, path)
 
 
 def check_momentum(codec, optimizer):

@@ -54,6 +54,8 @@ class SlimGCConfig:
                     code when loaded); off: only the data-only format is read
     piece_bytes     dist transport: buffers larger than this go as pieces of this many bytes,
                     so the sums of the first pieces come back while later ones are pushed (0: whole)
+    trace           write each worker's stage spans to this Chrome trace file (FILE.rankN.json;
+                    docs/trace.md); None: no trace
     """
 
     compressor: str = "2bit"
@@ -75,6 +77,7 @@ class SlimGCConfig:
     audit_every: int = 0
     allow_pickle_checkpoint: bool = False
     piece_bytes: int = PIECE_BYTES
+    trace: Optional[str] = None
 
     def __post_init__(self):
         self.validate()

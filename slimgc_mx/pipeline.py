@@ -69,6 +69,7 @@ class Transfer:
     plan: tuple = (0,)  # compressed: the key's rounds this push exchanges (Codec.push_rounds)
     round: int = 0  # the exchange under way: a position in `plan`
     wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
+    round_start: Optional[float] = None  # when the exchange under way was started
 
     def ready_array(self):
         """The NDArray the transfer waits for before it enters (its producer's output)."""
@@ -114,8 +115,9 @@ class Transfer:
 class Pipeline:
     """Runs transfers through encoder -> communicator -> finisher threads."""
 
-    def __init__(self, transport, finish, on_error, notifier=None):
+    def __init__(self, transport, finish, on_error, notifier=None, trace=None):
         self.transport = transport
+        self.trace = trace  # a trace.Trace recording each stage's spans, or None
         self._notifier = notifier
         self._finish = finish
         self._on_error = on_error
@@ -203,6 +205,11 @@ class Pipeline:
             self._idle.notify_all()
 
     def _encode(self, t):
+        start = time.perf_counter()
+        self._encode_one(t)
+        self._span("encode", start, t)
+
+    def _encode_one(self, t):
         b = t.buffers
         if not t.compressed:
             for push in t.pushes:
@@ -239,6 +246,7 @@ class Pipeline:
         while True:
             wire, send, recv = t.wire
             start = time.perf_counter()
+            t.round_start = start
             if t.round == 0:
                 t.t_start = start
             exchange = self.transport.gather if t.gathers else self.transport.push_pull
@@ -259,8 +267,10 @@ class Pipeline:
             t.t_comm = time.perf_counter() - t.t_start if t.handle.elapsed is None \
                 else (t.t_comm or 0.0) + t.handle.elapsed
         n = self.transport.num_workers
+        self._span("transfer", t.round_start, t, round=t.round)
         if self._advance(t):
             return True
+        start = time.perf_counter()
         if t.compressed and b.device is not None:
             t0 = time.perf_counter()
             b.device.decode_key(b, n, t.exchange.recv)
@@ -271,8 +281,18 @@ class Pipeline:
             t0 = time.perf_counter()
             b.codec.decode(lanes, b.size, n, out=agg)
             t.t_proc += time.perf_counter() - t0
+        if t.compressed and not t.decode_in_update:
+            self._span("decode", start, t)
+        start = time.perf_counter()
         self._finish(t)
+        self._span("global update", start, t)
         return False
+
+    def _span(self, stage, start, t, **args):
+        """Record `stage` of transfer t from `start` to now, when tracing."""
+        if self.trace is not None:
+            self.trace.span(stage, start, time.perf_counter(), key=t.label, step=t.step,
+                            **args)
 
     def _advance(self, t):
         """Check the finished round's result; when the codec has a further round, write its

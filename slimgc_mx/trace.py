@@ -2,8 +2,8 @@
 
 With the option `trace` (SLIMGC_TRACE=FILE) each worker records what each of its
 threads did: the training thread's local updates, the encoder's encodes, the
-transfers and the finisher's decodes and global updates, each as a span named by its
-stage with the key and step as arguments. The file is written when the kvstore
+transfers (each round, until the finisher sees it done) and the finisher's decodes and
+global updates, each as a span named by its stage with the key and step as arguments. The file is written when the kvstore
 closes; each rank writes FILE with `.rankN` before its extension, and
 
     python -m slimgc_mx.trace merge OUT.json trace.rank0.json trace.rank1.json
@@ -17,8 +17,7 @@ import threading
 import time
 
 #: The stages a span can name, in pipeline order (docs/trace.md says what each covers).
-STAGES = ("local update", "wait for gradient", "encode", "transfer", "decode",
-          "global update")
+STAGES = ("local update", "encode", "transfer", "decode", "global update")
 
 
 def rank_path(path, rank):
