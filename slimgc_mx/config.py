@@ -10,6 +10,7 @@ import warnings
 from typing import Optional, Union
 
 from . import codecs, env
+from .lanes32 import LANE_DTYPES
 from .threshold import check_rule, load_decision
 
 # A buffer larger than this travels as pieces of at most this many bytes, each its own
@@ -54,6 +55,9 @@ class SlimGCConfig:
                     code when loaded); off: only the data-only format is read
     piece_bytes     dist transport: buffers larger than this go as pieces of this many bytes,
                     so the sums of the first pieces come back while later ones are pushed (0: whole)
+    lane_dtype      what lane codecs' sums travel as: 'float64' (servers must sum float64
+                    exactly), 'float32' (exact on any server, more bytes), 'auto' (float64
+                    when the start-up probe finds every server exact, else float32)
     """
 
     compressor: str = "2bit"
@@ -75,6 +79,7 @@ class SlimGCConfig:
     audit_every: int = 0
     allow_pickle_checkpoint: bool = False
     piece_bytes: int = PIECE_BYTES
+    lane_dtype: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -159,6 +164,9 @@ class SlimGCConfig:
                 or not (self.piece_bytes == 0 or self.piece_bytes >= 8)):
             raise ValueError("piece_bytes must be 0 (send buffers whole) or an integer >= 8 "
                              "bytes, got %r" % (self.piece_bytes,))
+        if self.lane_dtype not in LANE_DTYPES:
+            raise ValueError("lane_dtype must be one of %s, got %r"
+                             % (", ".join(LANE_DTYPES), self.lane_dtype))
 
     def agreement_fields(self):
         """The settings that must be identical on every worker."""
@@ -168,8 +176,7 @@ class SlimGCConfig:
                 "cttab_margin": float(self.cttab_margin),
                 "backup": self.backup, "offload": self.offload, "fuse": self.fuse,
                 "fuse_compressed": self.fuse_compressed,
-                "piece_bytes": self.piece_bytes}
-
+                "piece_bytes": self.piece_bytes, "lane_dtype": self.lane_dtype}
 
     def _comm_threshold_agreed(self):
         """comm_threshold as workers compare it: a replayed file by the decision it holds."""
@@ -226,6 +233,8 @@ def _parse(name, raw, where):
             if any(not sep or not k.strip() for k, sep, _ in pairs):
                 raise ValueError
             return {k.strip(): v.strip() for k, _, v in pairs}
+        if name == "lane_dtype":
+            return raw.lower()
         if name == "fuse_compressed":
             return raw.lower() if raw.lower() in ("auto", "off") else int(raw)
         if name == "comm_threshold":
@@ -245,5 +254,6 @@ _EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
              "piece_bytes": "an integer number of bytes",
              "cttab_margin": "a number", "seed": "an integer",
              "fuse_compressed": "'auto', 'off' or a size in bytes",
+             "lane_dtype": "auto, float64 or float32",
              "codec_options": "NAME=VALUE pairs separated by commas",
              "comm_threshold": "'auto', 'off', a size in bytes or a saved CTTab file"}

@@ -17,10 +17,12 @@ Trailer values keep their meaning:
     the server's float64 sum; with more it may differ from it in the last bit as the
     server's own order (the order of arrival) does, and every worker gets the same.
 """
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import env
 from .codecs.base import check_num_workers, kernels
 from .codecs.lanes import LaneCodec
 
@@ -29,6 +31,8 @@ EXACT_LIMIT_32 = 2 ** 24
 #: Bit widths of the float32 pieces of one float64 trailer value (22 + 21 + 21 = 64).
 PIECE_BITS = (22, 21, 21)
 LANE_DTYPES = ("auto", "float64", "float32")
+
+log = logging.getLogger(__name__)
 
 
 def uses_float64_lanes(codec):
@@ -185,3 +189,45 @@ def join_reference(sum32, n64, radix, k, g):
     digits = ((x[:, None] // pg[None, :]) % np.uint64(radix)).ravel()[:n64 * k]
     powers = np.array([radix ** j for j in range(k)], dtype=np.uint64)
     return (digits.reshape(n64, k) * powers).sum(axis=1).astype(np.float64)
+
+
+def choose(setting, codec, transport):
+    """True when this job's float64 lanes travel as float32 lanes (collective).
+
+    'float32': always. 'float64': never, and servers that sum float64 inexactly raise
+    ServerPrecisionError. 'auto': every worker probes every server and the verdicts are
+    gathered, so that one lossy verdict anywhere switches every worker to float32 lanes.
+    """
+    if setting == "float32":
+        return True
+    if setting == "float64":
+        transport.check_exact_sums()
+        return False
+    if setting != "auto":
+        raise ValueError("lane_dtype must be one of %s, got %r" % (", ".join(LANE_DTYPES),
+                                                                    setting))
+    lossy = transport.lossy_servers()
+    verdicts = transport.allgather([float(lossy > 0)])  # 0 or 1: exact on any server
+    if not np.asarray(verdicts).any():
+        return False
+    if transport.rank == 0:
+        log.warning("slimgc: %s", fallback_warning(codec, transport.num_workers,
+                                                   lossy, transport.num_servers))
+    return True
+
+
+def fallback_warning(codec, num_workers, lossy, num_servers):
+    """The one warning of lane_dtype=auto switching to float32 lanes: the cost and the fix."""
+    if uses_float64_lanes(codec):
+        radix, k = codec.geometry(num_workers)
+        g = min(digits_per_lane32(radix), k)
+        cost = ("%s with %d workers sends %.2f instead of %.2f bits per element"
+                % (codec.name, num_workers, 32.0 / g if g else float("inf"), 64.0 / k))
+    else:
+        cost = "codec %s sends no float64 lanes, so it costs nothing" % getattr(
+            codec, "name", "none")
+    return ("%d of %d parameter servers sum float64 arrays in float32 (MXNet 1.9.1 leaves "
+            "their multi_precision_ flag uninitialized), so lanes travel as float32 "
+            "(lane_dtype=auto): %s. Start the servers with %s in their environment "
+            "(python -m slimgc_mx.launch does so) to keep float64 lanes."
+            % (lossy, num_servers, cost, env.SERVER_ENV_TEXT))
