@@ -121,3 +121,93 @@ def test_config():
         SlimGCConfig(lane_dtype="float16")
     with pytest.raises(ValueError, match="auto, float64, float32"):
         SlimGCConfig.from_sources({}, {"SLIMGC_LANE_DTYPE": "half"})
+
+
+# ---------------------------------------------------------------- the kvstore, in threads
+@pytest.mark.parametrize("name, offload, n", [
+    ("2bit", True, 2), ("1bit", True, 2), ("4bit", False, 2), ("terngrad", True, 3),
+    ("qsgd", True, 3), ("thc", True, 2), ("topk", True, 2)])
+def test_float32_lanes_give_the_same_sums(name, offload, n):
+    """The lane sums are exact either way, so the decoded sums are bitwise equal; the
+    bytes counted are the float32 lanes'."""
+    import mxnet as mx
+    import training_helpers as th
+    from slimgc_mx.kvstore import SlimGC
+
+    size, steps = 5000, 4
+    grads = np.random.RandomState(3).randn(steps, n, size).astype(np.float32)
+    options = {"ratio": 0.05} if name == "topk" else {}
+
+    def run(lane_dtype):
+        def worker(rank, transport):
+            kv = SlimGC(transport=transport, compressor=name, comm_threshold="off",
+                        backup=False, offload=offload, lane_dtype=lane_dtype, **options)
+            kv.init(0, mx.nd.zeros(size))
+            outs = []
+            for s in range(steps):
+                out = mx.nd.zeros(size)
+                kv.pushpull(0, mx.nd.array(grads[s, rank]), out=out)
+                outs.append(out.asnumpy())
+            stats = kv.stats()
+            kv.close()
+            return outs, stats
+        return th.in_threads(n, worker)
+
+    r64, r32 = run("float64"), run("float32")
+    for (o64, s64), (o32, s32) in zip(r64, r32):
+        for a, b in zip(o64, o32):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    s64, s32 = r64[0][1], r32[0][1]
+    codec = codecs.create(name, **options)
+    if name == "topk":
+        assert s32["bytes_pushed"] == s64["bytes_pushed"]
+    else:
+        layout = Lanes32Layout.of(codec, size, n)
+        assert s64["bytes_pushed"] == steps * 8 * layout.count64
+        assert s32["bytes_pushed"] == steps * 4 * layout.count32
+
+
+def test_auto_switches_every_worker_when_a_server_is_inexact(caplog):
+    """One worker's lossy verdict switches both; one warning names the cost and the fix."""
+    import mxnet as mx
+    import training_helpers as th
+    from slimgc_mx.kvstore import SlimGC
+
+    def worker(rank, transport):
+        if rank == 1:
+            transport.lossy_servers = lambda: 1
+        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
+                    backup=False)
+        kv.init(0, mx.nd.zeros(1000))
+        out = mx.nd.zeros(1000)
+        kv.pushpull(0, mx.nd.ones(1000), out=out)
+        chosen = kv._agg.lanes32
+        kv.close()
+        return chosen, out.asnumpy()
+
+    with caplog.at_level("WARNING", logger="slimgc_mx.lanes32"):
+        results = th.in_threads(2, worker)
+    assert [r[0] for r in results] == [True, True]
+    assert np.array_equal(results[0][1], results[1][1])
+    warnings = [r for r in caplog.records if "lanes travel as float32" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "3.20 instead of 2.91 bits per element" in warnings[0].getMessage()
+
+
+def test_float64_refuses_inexact_servers():
+    import training_helpers as th
+    from slimgc_mx.kvstore import SlimGC
+    import mxnet as mx
+
+    def worker(rank, transport):
+        transport.lossy_servers = lambda: 1
+        kv = SlimGC(transport=transport, compressor="2bit", lane_dtype="float64")
+        try:
+            kv.init(0, mx.nd.zeros(10))
+        except RuntimeError as exc:
+            return str(exc)
+        finally:
+            kv.close()
+        return None
+
+    assert all(r is not None for r in th.in_threads(2, worker))
