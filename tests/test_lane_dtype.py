@@ -211,3 +211,37 @@ def test_float64_refuses_inexact_servers():
         return None
 
     assert all(r is not None for r in th.in_threads(2, worker))
+
+
+# ---------------------------------------------------------------- under the launcher
+def _dist_job(tmp_path, name, options):
+    from test_distributed import _launch
+
+    out = tmp_path / name
+    proc = _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out), "--kvstore",
+                          "slimgc", "--compressor", "2bit", "--comm-threshold", "0",
+                          "--steps", "6"], 240, options)
+    ranks = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
+    weights = [dict(np.load(out / ("weights_rank%d.npz" % r))) for r in range(2)]
+    return proc, ranks, weights
+
+
+def test_auto_on_servers_without_the_server_environment(tmp_path):
+    """Servers started without the launcher's environment may sum float64 in float32:
+    lane_dtype=auto finishes anyway, the workers agree, and a switch warns once."""
+    proc, info, _ = _dist_job(tmp_path, "auto", ["--no-server-env",
+                                                 "--env", "SLIMGC_LANE_DTYPE:auto"])
+    assert info[0]["sha256"] == info[1]["sha256"]
+    assert info[0]["lanes32"] == info[1]["lanes32"]
+    warned = (proc.stdout + proc.stderr).count("lanes travel as float32")
+    assert warned == (1 if info[0]["lanes32"] else 0)
+
+
+def test_float32_lanes_equal_float64_lanes_on_exact_servers(tmp_path):
+    _, i64, w64 = _dist_job(tmp_path, "f64", ["--env", "SLIMGC_LANE_DTYPE:float64"])
+    _, i32, w32 = _dist_job(tmp_path, "f32", ["--env", "SLIMGC_LANE_DTYPE:float32"])
+    assert (i64[0]["lanes32"], i32[0]["lanes32"]) == (False, True)
+    assert i64[0]["sha256"] == i64[1]["sha256"] == i32[0]["sha256"] == i32[1]["sha256"]
+    for name in w64[0]:
+        assert np.array_equal(w64[0][name], w32[0][name])
+    assert i32[0]["stats"]["bytes_pushed"] > i64[0]["stats"]["bytes_pushed"] * 1.05
