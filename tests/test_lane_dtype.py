@@ -226,13 +226,18 @@ def _dist_job(tmp_path, name, options):
     return proc, ranks, weights
 
 
-def test_auto_on_servers_without_the_server_environment(tmp_path):
-    """Servers started without the launcher's environment may sum float64 in float32:
-    lane_dtype=auto finishes anyway, the workers agree, and a switch warns once."""
-    proc, info, _ = _dist_job(tmp_path, "auto", ["--no-server-env",
-                                                 "--env", "SLIMGC_LANE_DTYPE:auto"])
+@pytest.mark.parametrize("forced", [False, True])
+def test_auto_on_servers_without_the_server_environment(tmp_path, forced):
+    """Servers started without the launcher's environment may sum float64 in float32
+    (forced: a 0xfe-filled heap makes every server do so): lane_dtype=auto finishes
+    anyway, the workers agree, and a switch warns once."""
+    options = ["--no-server-env", "--env", "SLIMGC_LANE_DTYPE:auto"]
+    if forced:
+        options += ["--env-server", "MALLOC_PERTURB_:1"]
+    proc, info, _ = _dist_job(tmp_path, "auto", options)
     assert info[0]["sha256"] == info[1]["sha256"]
     assert info[0]["lanes32"] == info[1]["lanes32"]
+    assert info[0]["lanes32"] or not forced
     warned = (proc.stdout + proc.stderr).count("lanes travel as float32")
     assert warned == (1 if info[0]["lanes32"] else 0)
 
