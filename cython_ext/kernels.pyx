@@ -369,6 +369,7 @@ include "codec_powersgd.pxi"
 include "codec_topk.pxi"
 include "codec_dgc.pxi"
 include "codec_gcomp.pxi"
+include "lanes32.pxi"
 
 
 # ---------------------------------------------------------------- decoder

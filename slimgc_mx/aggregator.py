@@ -15,7 +15,7 @@ from functools import partial
 
 import numpy as np
 
-from . import agreement, codecs
+from . import agreement, codecs, lanes32
 from .backup import ModelBackup
 from .grad_buf import GradCheck, Push
 from .pipeline import Pipeline, TransferStats, mark_nonfinite
@@ -48,9 +48,10 @@ class Aggregator:
                           cfg.cttab_margin)
         self.cttab = cttab
         self.codec = codec
-        transport.check_exact_sums()
+        # float32 lanes (lanes32.py) when lane_dtype says so or the servers are inexact.
+        self.lanes32 = lanes32.choose(cfg.lane_dtype, codec, transport)
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
-                                         lanes=self._lane_format(),
+                                         lanes=self._lane_format(), lanes32=self.lanes32,
                                          bigarray_bound=transport.bigarray_bound))
         self.engine = EngineNotifier()
         self.backup = ModelBackup(cfg.backup, cfg.timeout, ArrayOps(self.engine))
@@ -59,7 +60,7 @@ class Aggregator:
         self.pipeline = Pipeline(transport, self._finish, self.backup.fail, self.engine,
                                  self.trace)
         self.planner = Planner(cfg, transport, codec, cttab, Buffer, _device_codec,
-                               self.backup.wait_version, self.name_of)
+                               self.backup.wait_version, self.name_of, self.lanes32)
         self.stats = TransferStats()
         self.update = None  # GlobalUpdate, once an optimizer is set
         self._local = None  # LocalUpdater, built at the first local update

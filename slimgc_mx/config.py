@@ -10,6 +10,7 @@ import warnings
 from typing import Optional, Union
 
 from . import codecs, env
+from .lanes32 import LANE_DTYPES
 from .threshold import check_rule, load_decision
 
 # A buffer larger than this travels as pieces of at most this many bytes, each its own
@@ -56,6 +57,9 @@ class SlimGCConfig:
                     so the sums of the first pieces come back while later ones are pushed (0: whole)
     trace           write each worker's stage spans to this Chrome trace file (FILE.rankN.json;
                     docs/trace.md); None: no trace
+    lane_dtype      what lane codecs' sums travel as: 'float64' (servers must sum float64
+                    exactly), 'float32' (exact on any server, more bytes), 'auto' (float64
+                    when the start-up probe finds every server exact, else float32)
     """
 
     compressor: str = "2bit"
@@ -78,6 +82,7 @@ class SlimGCConfig:
     allow_pickle_checkpoint: bool = False
     piece_bytes: int = PIECE_BYTES
     trace: Optional[str] = None
+    lane_dtype: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -162,6 +167,9 @@ class SlimGCConfig:
                 or not (self.piece_bytes == 0 or self.piece_bytes >= 8)):
             raise ValueError("piece_bytes must be 0 (send buffers whole) or an integer >= 8 "
                              "bytes, got %r" % (self.piece_bytes,))
+        if self.lane_dtype not in LANE_DTYPES:
+            raise ValueError("lane_dtype must be one of %s, got %r"
+                             % (", ".join(LANE_DTYPES), self.lane_dtype))
 
     def agreement_fields(self):
         """The settings that must be identical on every worker."""
@@ -171,8 +179,7 @@ class SlimGCConfig:
                 "cttab_margin": float(self.cttab_margin),
                 "backup": self.backup, "offload": self.offload, "fuse": self.fuse,
                 "fuse_compressed": self.fuse_compressed,
-                "piece_bytes": self.piece_bytes}
-
+                "piece_bytes": self.piece_bytes, "lane_dtype": self.lane_dtype}
 
     def _comm_threshold_agreed(self):
         """comm_threshold as workers compare it: a replayed file by the decision it holds."""
@@ -229,6 +236,8 @@ def _parse(name, raw, where):
             if any(not sep or not k.strip() for k, sep, _ in pairs):
                 raise ValueError
             return {k.strip(): v.strip() for k, _, v in pairs}
+        if name == "lane_dtype":
+            return raw.lower()
         if name == "fuse_compressed":
             return raw.lower() if raw.lower() in ("auto", "off") else int(raw)
         if name == "comm_threshold":
@@ -248,5 +257,6 @@ _EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
              "piece_bytes": "an integer number of bytes",
              "cttab_margin": "a number", "seed": "an integer",
              "fuse_compressed": "'auto', 'off' or a size in bytes",
+             "lane_dtype": "auto, float64 or float32",
              "codec_options": "NAME=VALUE pairs separated by commas",
              "comm_threshold": "'auto', 'off', a size in bytes or a saved CTTab file"}

@@ -8,11 +8,15 @@ back is the sum over workers: `agg` for fp_buf, `bit_sum` for bit_buf, decoded i
 side); each round has its own send and receive buffers (`rounds`). A codec whose payload
 size follows the data (gcomp) pre-declares several slot sizes, `wire_classes`, and picks
 one per push (`codec.wire_class`); their buffers share the memory of the largest.
+With float32 lanes (lanes32.py) a float64 sum round also holds the float32 arrays that
+actually travel: `wire_send` and `wire_recv`.
 """
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from .lanes32 import Lanes32Layout, uses_float64_lanes
 
 
 @dataclass
@@ -27,6 +31,37 @@ class WireRound:
     send: object  # a Buffer
     recv: object  # a Buffer
     key: Optional[int] = None  # the wire key, once declared
+    lanes32: Optional["Lanes32Wire"] = None  # float32 lanes carry this round's float64 lanes
+
+    @property
+    def wire_send(self):
+        """The Buffer pushed on the wire: `send`, or its float32 lanes."""
+        return self.send if self.lanes32 is None else self.lanes32.send
+
+    @property
+    def wire_recv(self):
+        """The Buffer the wire's result lands in: `recv`, or the float32 lanes' sum."""
+        return self.recv if self.lanes32 is None else self.lanes32.recv
+
+
+@dataclass
+class Lanes32Wire:
+    """The float32 lanes of one float64 sum round (lanes32.Lanes32Layout) and their buffers."""
+
+    layout: object  # lanes32.Lanes32Layout
+    send: object  # a Buffer, float32
+    recv: object  # a Buffer, float32
+
+
+def add_lanes32(rounds, codec, size, num_workers, make_buffer):
+    """Give every float64 sum round of a lane codec its float32 lanes (lane_dtype float32)."""
+    if not uses_float64_lanes(codec):
+        return
+    for r in rounds:
+        if r.route == "sum" and np.dtype(r.send.nd.dtype) == np.float64:
+            layout = Lanes32Layout.of(codec, size, num_workers)
+            r.lanes32 = Lanes32Wire(layout, make_buffer((layout.count32,), np.float32),
+                                    make_buffer((layout.count32,), np.float32))
 
 
 class KeyBuffers:
@@ -42,7 +77,7 @@ class KeyBuffers:
     wire      the transport's wire keys of this key (transport.keys.KeyWire)
     """
 
-    def __init__(self, index, shape, codec, num_workers, make_buffer, wire=None):
+    def __init__(self, index, shape, codec, num_workers, make_buffer, wire=None, lanes32=False):
         self.index = index
         self.shape = tuple(shape)
         self.size = size = int(np.prod(shape))
@@ -57,6 +92,9 @@ class KeyBuffers:
             self.residual = make_buffer((codec.memory_size(size),), np.float32)
             self.round_sets = _round_sets(codec.wire_classes(size, self.shape, num_workers),
                                           make_buffer)
+            if lanes32:
+                for rounds in self.round_sets:
+                    add_lanes32(rounds, codec, size, num_workers, make_buffer)
         else:  # compressor 'none': full precision only, no error feedback
             self.residual = None
             self.round_sets = []

@@ -91,7 +91,7 @@ class Transfer:
         b = self.buffers
         if self.compressed:
             r = self.exchange
-            return r.key, r.send, r.recv
+            return r.key, r.wire_send, r.wire_recv
         return b.wire.fp, b.fp_buf, b.agg
 
     @property
@@ -105,11 +105,13 @@ class Transfer:
         return self.compressed and self.exchange.route == "gather"
 
     def wire_bytes(self):
-        """(bytes pushed, bytes pulled) over all its exchanges: a gather pulls N slots."""
+        """(bytes pushed, bytes pulled) over all its exchanges: a gather pulls N slots;
+        float32 lanes count as what travels."""
         if not self.compressed:
             return self.buffers.fp_buf.nbytes, self.buffers.agg.nbytes
         rounds = [self.wire_rounds[i] for i in self.plan]
-        return sum(r.send.nbytes for r in rounds), sum(r.recv.nbytes for r in rounds)
+        return (sum(r.wire_send.nbytes for r in rounds),
+                sum(r.wire_recv.nbytes for r in rounds))
 
 
 class Pipeline:
@@ -222,6 +224,7 @@ class Pipeline:
         elif b.device is not None:
             t0 = time.perf_counter()
             t.exchange.send.for_read()  # encoded on the training thread
+            self._split(t)
             t.t_proc += time.perf_counter() - t0
         else:
             grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
@@ -237,7 +240,36 @@ class Pipeline:
             except NonFiniteGradientError:
                 mark_nonfinite(lanes, self.transport.rank)
                 t.nonfinite = True
+            self._split(t)
             t.t_proc += time.perf_counter() - t0
+
+    def _split(self, t):
+        """float32 lanes: the round's float64 lanes into the float32 lanes that travel
+        (a worker with a non-finite gradient sends NaN naming its rank, as in float64)."""
+        wire = t.exchange.lanes32
+        if wire is None:
+            return
+        out = wire.send.for_write()
+        if t.nonfinite:
+            mark_nonfinite(out, self.transport.rank)
+        else:
+            wire.layout.split(t.exchange.send.for_read(), out, self.transport.rank)
+
+    def _join(self, t):
+        """float32 lanes: the summed float32 lanes back into the round's float64 sum (a
+        non-finite sum becomes NaN naming the same sender)."""
+        wire = t.exchange.lanes32
+        if wire is None:
+            return
+        summed, out = wire.recv.for_read(), t.exchange.recv.for_write()
+        if np.isfinite(summed).all():
+            wire.layout.join(summed, out)
+            return
+        sender = nonfinite_sender(summed, self.transport.num_workers)
+        if sender is None:
+            out.fill(np.nan)
+        else:
+            mark_nonfinite(out, sender)
 
     def _communicate(self, t):
         """Start the round's exchange. A serial transfer waits for it, and runs the codec's
@@ -298,7 +330,11 @@ class Pipeline:
         """Check the finished round's result; when the codec has a further round, write its
         payload (next_round) and return True."""
         b, n = t.buffers, self.transport.num_workers
-        _, _, received = t.wire
+        if t.compressed:
+            self._join(t)
+            received = t.exchange.recv
+        else:
+            received = b.agg
         values = received.for_read()
         if not np.isfinite(values).all():
             sender = nonfinite_sender(values, n)

@@ -24,7 +24,7 @@ import logging
 import numpy as np
 
 from .codecs.rng import key_seed
-from .grad_buf import KeyBuffers, Push, WireRound
+from .grad_buf import KeyBuffers, Push, WireRound, add_lanes32
 from .pipeline import Transfer
 from .transport.keys import KeyWire
 
@@ -42,7 +42,7 @@ class Bucket:
     device = None
     residual_pending = False
 
-    def __init__(self, members, wire_key, make_buffer, codec=None, num_workers=1):
+    def __init__(self, members, wire_key, make_buffer, codec=None, num_workers=1, lanes32=False):
         self.members = members  # {user key: KeyBuffers}, in key order
         self.size = sum(b.size for b in members.values())
         self.nbytes = 4 * self.size
@@ -65,6 +65,8 @@ class Bucket:
             self.rounds = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
                            for route, send, recv, dtype in codec.wire_rounds(
                                self.size, (self.size,), num_workers)]
+            if lanes32:
+                add_lanes32(self.rounds, codec, self.size, num_workers, make_buffer)
         self.round_sets = [self.rounds] if self.rounds else []  # one wire class
         self.bit_buf = self.rounds[0].send if self.rounds else None
         self.bit_sum = self.rounds[0].recv if self.rounds else None
@@ -117,7 +119,7 @@ class FusedRoute:
     """
 
     def __init__(self, members, transport, make_buffer, compressed=None, limit=0,
-                 make_codec=None):
+                 make_codec=None, lanes32=False):
         self.keys = list(members)
         self.compressed_keys = list(compressed or {})
         self.buckets = []
@@ -127,12 +129,12 @@ class FusedRoute:
         for (group, make), wire_key in zip(groups, transport.keys.fused(len(groups))):
             codec = make(wire_key) if make is not None else None
             bucket = Bucket(dict(group), wire_key, make_buffer, codec,
-                            transport.num_workers if codec is not None else 1)
+                            transport.num_workers if codec is not None else 1, lanes32)
             if codec is None:
                 transport.declare(wire_key, bucket.grad_buf)
             else:
                 bucket.rounds[0].key = wire_key
-                transport.declare(wire_key, bucket.rounds[0].send)
+                transport.declare(wire_key, bucket.rounds[0].wire_send)
             self.buckets.append(bucket)
             for key, _ in group:
                 self._of[key] = bucket
@@ -188,7 +190,7 @@ class Planner:
     """
 
     def __init__(self, config, transport, codec, cttab, make_buffer, device_codec,
-                 wait_version, name_of):
+                 wait_version, name_of, lanes32=False):
         self.config = config
         self.transport = transport
         self.codec = codec  # the prototype codec; each key gets a clone
@@ -200,6 +202,7 @@ class Planner:
         self._device_codec = device_codec
         self._wait_version = wait_version
         self._name_of = name_of  # user key -> parameter name, or None
+        self.lanes32 = lanes32  # float64 lanes travel as float32 lanes (lanes32.py)
 
     # -- keys ------------------------------------------------------------------------------
     def add(self, key, shape):
@@ -211,7 +214,7 @@ class Planner:
         if codec is not None:
             codec.seed = key_seed(self.config.seed, index)
         b = KeyBuffers(index, shape, codec, self.transport.num_workers, self._make_buffer,
-                       wire=self.transport.keys.per_key(index))
+                       wire=self.transport.keys.per_key(index), lanes32=self.lanes32)
         if codec is not None and not self.config.offload:
             b.device = self._device_codec(codec)
         self.transport.declare(b.wire.fp, b.grad_buf)
@@ -219,7 +222,7 @@ class Planner:
             for i, r in enumerate(rounds):
                 r.key = b.wire.bit if c == i == 0 else self.transport.keys.rounds(1)[0]
                 if r.route == "sum":
-                    self.transport.declare(r.key, r.send)
+                    self.transport.declare(r.key, r.wire_send)
                 else:
                     self.transport.declare_gather(r.key, r.send, r.recv)
         self.keys[key] = b
@@ -308,7 +311,7 @@ class Planner:
             return codec
 
         route = FusedRoute(members, self.transport, self._make_buffer, small, limit,
-                           make_codec)
+                           make_codec, self.lanes32)
         self.fused = route
         self._apply_bucket_state()
         log.info("slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes; "

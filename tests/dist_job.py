@@ -66,6 +66,7 @@ def main():
     info = {"rank": rank, "num_workers": kv.num_workers, "sha256": digest.hexdigest()}
     if args.kvstore == "slimgc":
         info["stats"] = trainer._kvstore.stats()
+        info["lanes32"] = trainer._kvstore._agg.lanes32
         info["bigarray_bound"] = trainer._kvstore._ensure_transport().bigarray_bound
     if lanes:
         np.savez(os.path.join(args.out, "lanes_rank%d.npz" % rank), **lanes)

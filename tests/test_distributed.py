@@ -95,7 +95,8 @@ def test_servers_sum_packed_lanes_exactly(tmp_path, bound, piece_bytes):
 def test_servers_that_sum_float64_in_float32_stop_the_job_with_the_fix(tmp_path):
     # A zero-filled heap is what keeps the flag false; a 0xfe-filled one sets it on every server.
     argv = [sys.executable, "-m", "slimgc_mx.launch", "-n", "2", "-s", "2", "--launcher", "local",
-            "--env-server", "MALLOC_PERTURB_:1", "--", sys.executable, "tests/dist_job.py",
+            "--env-server", "MALLOC_PERTURB_:1", "--env", "SLIMGC_LANE_DTYPE:float64",
+            "--", sys.executable, "tests/dist_job.py",
             "--out", str(tmp_path / "lossy"), "--compressor", "2bit", "--steps", "2"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="like --env, for servers only, wins over --env (default: %s, which "
                         "keeps MXNet 1.9.1's servers summing float64 exactly; see "
                         "docs/launcher.md)" % SERVER_ENV_TEXT)
+    p.add_argument("--no-server-env", action="store_true",
+                   help="start servers without %s (for testing the lane_dtype fallback: "
+                        "their float64 sums may then be inexact; default: off)" % SERVER_ENV_TEXT)
     p.add_argument("--env-worker", action="append", default=[], metavar="NAME[:VALUE]",
                    help="like --env, for workers only, wins over --env (default: none)")
     p.add_argument("--p3", action="store_true",

@@ -163,7 +163,8 @@ def build_plan(args, cluster=None) -> List[Task]:
     if args.p3:
         common.update(DMLC_PS_VAN_TYPE="p3", DMLC_PS_WATER_MARK="10")
     user_env = parse_env_items(args.env, "--env")
-    per_role = {"server": {**SERVER_ENV, **parse_env_items(args.env_server, "--env-server")},
+    server_env = {} if getattr(args, "no_server_env", False) else SERVER_ENV
+    per_role = {"server": {**server_env, **parse_env_items(args.env_server, "--env-server")},
                 "worker": parse_env_items(args.env_worker, "--env-worker"),
                 "scheduler": {}}
 

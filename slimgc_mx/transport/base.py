@@ -117,6 +117,12 @@ class Transport:
 
     def check_exact_sums(self):
         """Raise ServerPrecisionError unless float64 sums are exact (collective)."""
+        if self.lossy_servers():
+            raise RuntimeError("float64 sums of this transport are not exact")
+
+    def lossy_servers(self):
+        """How many servers sum float64 arrays inexactly (a collective probe; run it once)."""
+        return 0
 
     def close(self, timeout=None):
         """Release the transport; returns False if that did not finish within `timeout`."""

@@ -189,7 +189,21 @@ class DistTransport(Transport):
         return recv.asnumpy()
 
     def check_exact_sums(self):
-        """Push float64 integers through every server and compare the sums with the exact ones.
+        """Raise ServerPrecisionError when lossy_servers() finds a server summing float64
+        in float32."""
+        lossy = self.lossy_servers()
+        if lossy:
+            raise ServerPrecisionError(
+                "%d of %d parameter servers sum float64 arrays in float32: MXNet 1.9.1's "
+                "KVStoreDistServer leaves its multi_precision_ flag uninitialized, and SlimGC's "
+                "packed lanes would be silently corrupted. Start the servers with %s in "
+                "their environment (python -m slimgc_mx.launch does so), set lane_dtype=auto "
+                "or float32 (lanes that any server sums exactly, more bytes), or train with "
+                "compressor 'none'." % (lossy, self.num_servers, env.SERVER_ENV_TEXT))
+
+    def lossy_servers(self):
+        """Push float64 integers through every server and count the servers whose sums
+        differ from the exact ones.
 
         MXNet 1.9.1's server leaves its multi_precision_ flag uninitialized; a server that
         starts with it set sums float64 in float32 (docs/launcher.md). Small keys
@@ -208,13 +222,7 @@ class DistTransport(Transport):
         for out in sums:
             wait_readable(out, self.timeout)
             lossy += int(not np.array_equal(out.asnumpy(), expected))
-        if lossy:
-            raise ServerPrecisionError(
-                "%d of %d parameter servers sum float64 arrays in float32: MXNet 1.9.1's "
-                "KVStoreDistServer leaves its multi_precision_ flag uninitialized, and SlimGC's "
-                "packed lanes would be silently corrupted. Start the servers with %s in "
-                "their environment (python -m slimgc_mx.launch does so), or train with "
-                "compressor 'none'." % (lossy, servers, env.SERVER_ENV_TEXT))
+        return lossy
 
     def close(self, timeout=None):
         """Finalize MXNet's kvstore (a barrier with every node); False if not done in `timeout`.
