@@ -15,6 +15,7 @@ install() runs when the first SlimGC store is created:
     writes the global weights into them; during training they hold loc_buf.
 All are idempotent and change nothing for other kvstores.
 """
+import sys
 import threading
 
 _lock = threading.Lock()
@@ -45,11 +46,32 @@ def register():
         return
     from mxnet.kvstore import KVStoreBase
 
-    from .kvstore import SlimGC
+    if _slimgc_module_initializing():
+        # MXNet was imported by a slimgc_mx module that is itself being imported, which the
+        # kvstore module needs: importing it now would be circular, so it waits for a call
+        entry = _create_slimgc
+    else:
+        from .kvstore import SlimGC as entry
     for name in NAMES:
-        KVStoreBase.kv_registry[name] = SlimGC
+        KVStoreBase.kv_registry[name] = entry
     _wrap_create_kvstore()
     _refuse_sparse_gradients()
+
+
+def _slimgc_module_initializing():
+    """True while some slimgc_mx module is part-way through its import."""
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items())
+               if name.startswith("slimgc_mx.") and module is not None)
+
+
+def _create_slimgc():
+    """The registry's entry until the kvstore module can be imported: creates a SlimGC."""
+    from .kvstore import SlimGC
+    return SlimGC()
+
+
+_create_slimgc.__name__ = "SlimGC"  # what MXNet's registry reports for the name
 
 
 def _wrap_create_kvstore():
