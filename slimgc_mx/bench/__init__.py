@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "codecs": "slimgc_mx.bench.codecs",
     "cluster": "slimgc_mx.bench.cluster",
     "faults": "slimgc_mx.bench.faults",
+    "passes": "slimgc_mx.bench.passes",
 }
 
 PROG = "python -m slimgc_mx.bench"
