@@ -67,6 +67,10 @@ def main():
     if args.kvstore == "slimgc":
         info["stats"] = trainer._kvstore.stats()
         info["lanes32"] = trainer._kvstore._agg.lanes32
+        probe = [2.0 ** 52 - 1 - rank, -1.5e300, 0.1, float("nan")]  # not float32-exact
+        got = trainer._kvstore._ensure_transport().allgather(probe)
+        expected = [[2.0 ** 52 - 1 - r, -1.5e300, 0.1, float("nan")] for r in range(len(got))]
+        info["allgather_exact"] = bool(np.array_equal(got, expected, equal_nan=True))
         info["bigarray_bound"] = trainer._kvstore._ensure_transport().bigarray_bound
     if lanes:
         np.savez(os.path.join(args.out, "lanes_rank%d.npz" % rank), **lanes)

@@ -238,6 +238,7 @@ def test_auto_on_servers_without_the_server_environment(tmp_path, forced):
     assert info[0]["sha256"] == info[1]["sha256"]
     assert info[0]["lanes32"] == info[1]["lanes32"]
     assert info[0]["lanes32"] or not forced
+    assert info[0]["allgather_exact"] and info[1]["allgather_exact"]  # hashes, votes
     warned = (proc.stdout + proc.stderr).count("lanes travel as float32")
     assert warned == (1 if info[0]["lanes32"] else 0)
 

@@ -15,6 +15,21 @@ from .keys import FUSED_BASE, PER_KEY_LIMIT, PIECE_BASE, WireKeyError
 log = logging.getLogger(__name__)
 
 
+def split_bits(values):
+    """float64 values -> 3 float64 integers each (22 bits of the value's 64), exact even
+    where a server rounds them to float32."""
+    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+    parts = [(bits >> np.uint64(shift)) & np.uint64(0x3FFFFF) for shift in (0, 22, 44)]
+    return np.stack(parts, axis=-1).reshape(-1).astype(np.float64)
+
+
+def join_bits(parts):
+    """The inverse of split_bits, row by row: (rows, 3n) -> (rows, n) float64."""
+    rows = np.asarray(parts).reshape(len(parts), -1, 3).astype(np.uint64)
+    bits = rows[..., 0] | (rows[..., 1] << np.uint64(22)) | (rows[..., 2] << np.uint64(44))
+    return bits.view(np.float64)
+
+
 class ServerPrecisionError(RuntimeError):
     """A parameter server sums float64 arrays in float32, which would corrupt packed lanes."""
 
@@ -173,20 +188,22 @@ class DistTransport(Transport):
         wait_readable(pieces, self.timeout)
 
     def allgather(self, values):
+        """Every worker's float64 `values`, bit for bit, also through servers that sum
+        float64 in float32: each value travels as three 22-bit integers of its bits."""
         values = np.asarray(values, dtype=np.float64).ravel()
         n = values.size
         key = self._gather_keys.get(n)
         if key is None:
             key = self._gather_keys[n] = self.keys.control()
-            self._kv.init(key, mx.nd.zeros((self.num_workers, n), dtype=np.float64))
-        slots = np.zeros((self.num_workers, n), dtype=np.float64)
-        slots[self.rank] = values
+            self._kv.init(key, mx.nd.zeros((self.num_workers, 3 * n), dtype=np.float64))
+        slots = np.zeros((self.num_workers, 3 * n), dtype=np.float64)
+        slots[self.rank] = split_bits(values)
         send = mx.nd.array(slots, dtype=np.float64)
-        recv = mx.nd.zeros((self.num_workers, n), dtype=np.float64)
+        recv = mx.nd.zeros((self.num_workers, 3 * n), dtype=np.float64)
         self._kv.push(key, send)
         self._kv.pull(key, out=recv)
         wait_readable(recv, self.timeout)
-        return recv.asnumpy()
+        return join_bits(recv.asnumpy())
 
     def check_exact_sums(self):
         """Raise ServerPrecisionError when lossy_servers() finds a server summing float64
