@@ -114,7 +114,7 @@ class LaneCodec(Codec):
     # ------------------------------------------------------------ geometry
     def geometry(self, num_workers):
         """(R, k): lane radix and elements per lane for `num_workers`."""
-        key = ("geometry", check_num_workers(num_workers))
+        key = ("geometry", check_num_workers(num_workers), self.levels)
         if key not in self._cache:
             self._cache[key] = lane_geometry(self.levels, key[1], self.name)
         return self._cache[key]
