@@ -1,18 +1,21 @@
-# 4bit (slimgc_mx/codecs/fourbit.py): q = offset +- units[#thresholds <= |c|].
+# 4bit (slimgc_mx/codecs/fourbit.py): q = offset +- units[#thresholds <= |c|] / unit.
 
 cdef Py_ssize_t _levels_4bit(const float* g, float* r, float* q, Py_ssize_t cnt,
                              const LevelArgs* a, Py_ssize_t e0, Py_ssize_t ce0,
                              double* stat) noexcept nogil:
     # Largest threshold <= |c| by seven selects (branch-free, vectorizes). The value sent
     # is +-th[k] = +-float32(0.01 * units[k+1]): own[q] bit for bit. The statistic, sum
-    # |g|, is added in element order in a loop of its own.
+    # |g|, is added in element order in a loop of its own. The level counts the group's
+    # unit: every threshold's units divide exactly (checked by encode_4bit).
     cdef const float* th = a.table
     cdef const int* units = a.units
     cdef int offset = a.offset
+    cdef int unit = a.unit
     cdef float t0 = th[0], t1 = th[1], t2 = th[2], t3 = th[3], t4 = th[4], t5 = th[5]
     cdef float t6 = th[6]
-    cdef int u1 = units[1], u2 = units[2], u3 = units[3], u4 = units[4], u5 = units[5]
-    cdef int u6 = units[6], u7 = units[7]
+    cdef int u1 = units[1] // unit, u2 = units[2] // unit, u3 = units[3] // unit
+    cdef int u4 = units[4] // unit, u5 = units[5] // unit, u6 = units[6] // unit
+    cdef int u7 = units[7] // unit
     cdef Py_ssize_t j
     cdef float c, x, ab
     cdef int u, bad = 0
@@ -49,19 +52,23 @@ cdef Py_ssize_t _levels_4bit(const float* g, float* r, float* q, Py_ssize_t cnt,
 
 def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, const float[::1] thresholds,
-                const int[::1] units, int offset, int num_threads,
+                const int[::1] units, int unit, int offset, int num_threads,
                 bint grad_checked=False):
     """4bit: returns (counts as encode_2bit, sum |g|).
 
-    thresholds ascending, thresholds[k] = float32(unit * units[k+1]) (the decoded
-    values); units[0] = 0. Levels q lie in 0..2*offset.
+    thresholds ascending, thresholds[k] = float32(0.01 * units[k+1]) (the decoded
+    values); units[0] = 0, every unit a multiple of `unit`. Level q = offset +- units /
+    unit lies in 0..2*offset.
     """
     if thresholds.shape[0] != 7 or units.shape[0] != 8:
         raise ValueError("encode_4bit needs 7 thresholds and 8 units")
-    if units[0] != 0 or min(units) < 0 or max(units) > offset:
-        raise ValueError("encode_4bit: units must start at 0 and stay in 0..offset")
+    if unit < 1 or any(u % unit for u in units):
+        raise ValueError("encode_4bit: unit must be >= 1 and divide every unit")
+    if units[0] != 0 or min(units) < 0 or max(units) // unit > offset:
+        raise ValueError("encode_4bit: units must start at 0 and stay in 0..offset*unit")
     cdef EncodeJob job = _lane_job(_levels_4bit, grad, residual, lanes, powers, grad_checked)
     job.args.table = &thresholds[0]
     job.args.units = &units[0]
+    job.args.unit = unit
     job.args.offset = offset
     return _run(&job, num_threads)

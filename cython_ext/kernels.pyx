@@ -164,6 +164,7 @@ cdef struct LevelArgs:
     const float* table   # a codec's float table (4bit thresholds, per-bucket scales)
     const int* units     # a codec's int table (4bit units)
     int offset           # a codec's level offset (4bit), or its number of levels
+    int unit             # a codec's level unit, in units of its int table (4bit group)
     Py_ssize_t bucket    # elements per bucket of a codec with per-bucket state
     uint64_t seed        # the counter-based RNG's key of this push (slimgc_uniform)
     bint clip_only       # the residual keeps only what the shared scale clipped (no noise)
@@ -329,6 +330,7 @@ cdef EncodeJob _job(levels_fn levels, const float[::1] grad, float[::1] residual
     job.args.table = NULL
     job.args.units = NULL
     job.args.offset = 0
+    job.args.unit = 1
     job.args.bucket = 0
     job.args.seed = 0
     job.stat_width = 1

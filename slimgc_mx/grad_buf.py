@@ -5,7 +5,8 @@ as fp_buf, the compressed route encodes it into bit_buf (the codec's lanes). Wha
 back is the sum over workers: `agg` for fp_buf, `bit_sum` for bit_buf, decoded into
 `agg` (or inside the SGD kernel's update). A codec may exchange several rounds per step
 (PowerSGD: P, then Q) and gather instead of sum (TopK: every worker's slot side by
-side); each round has its own send and receive buffers (`rounds`). A codec whose payload
+side); each round has its own send and receive buffers (`rounds`), and a push exchanges
+the rounds Codec.push_rounds picks (dgc's stage, 4bit's group's geometry). A codec whose payload
 size follows the data (gcomp) pre-declares several slot sizes, `wire_classes`, and picks
 one per push (`codec.wire_class`); their buffers share the memory of the largest.
 With float32 lanes (lanes32.py) a float64 sum round also holds the float32 arrays that
@@ -57,9 +58,9 @@ def add_lanes32(rounds, codec, size, num_workers, make_buffer):
     """Give every float64 sum round of a lane codec its float32 lanes (lane_dtype float32)."""
     if not uses_float64_lanes(codec):
         return
-    for r in rounds:
+    for r, levels in zip(rounds, codec.round_levels()):
         if r.route == "sum" and np.dtype(r.send.nd.dtype) == np.float64:
-            layout = Lanes32Layout.of(codec, size, num_workers)
+            layout = Lanes32Layout.of(codec, size, num_workers, levels)
             r.lanes32 = Lanes32Wire(layout, make_buffer((layout.count32,), np.float32),
                                     make_buffer((layout.count32,), np.float32))
 
@@ -68,8 +69,9 @@ class KeyBuffers:
     """Everything the pipeline holds for one key.
 
     grad_buf  float32 copy of the local gradient (sent as is on the fp_buf route)
-    bit_buf   the codec's lanes for this worker (the compressed route)
-    bit_sum   the lanes summed over workers
+    rounds    the codec's WireRounds: bit_buf (send) and bit_sum (recv) of each; a push
+              exchanges those of Codec.push_rounds (a transfer's `exchange`), not
+              necessarily round 0 (4bit declares one round per lane geometry)
     agg       float32 sum over workers of the gradient (pulled, or decoded from bit_sum)
     residual  the codec's error-feedback memory (Codec.memory_size: the residual, then any
               further per-worker state)
@@ -103,14 +105,6 @@ class KeyBuffers:
     def rounds(self):
         """The WireRounds of the codec's current slot class (what the next push uses)."""
         return self.round_sets[self.codec.wire_class] if self.round_sets else []
-
-    @property
-    def bit_buf(self):
-        return self.rounds[0].send if self.round_sets else None
-
-    @property
-    def bit_sum(self):
-        return self.rounds[0].recv if self.round_sets else None
 
     @property
     def fp_buf(self):

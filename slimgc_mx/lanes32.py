@@ -24,7 +24,7 @@ import numpy as np
 
 from . import env
 from .codecs.base import check_num_workers, kernels
-from .codecs.lanes import LaneCodec
+from .codecs.lanes import LaneCodec, lane_geometry
 
 #: Largest integer below which every integer is exact in float32.
 EXACT_LIMIT_32 = 2 ** 24
@@ -55,14 +55,18 @@ class Lanes32Layout:
     num_workers: int
 
     @classmethod
-    def of(cls, codec, size, num_workers):
-        """The layout of `codec`'s lanes for `size` elements; ValueError if float32 lanes
-        cannot carry them."""
+    def of(cls, codec, size, num_workers, levels=None):
+        """The layout of `codec`'s lanes for `size` elements, of its current geometry or of
+        the one of `levels` levels (a round of a codec with several); ValueError if float32
+        lanes cannot carry them."""
         n = check_num_workers(num_workers)
         if not uses_float64_lanes(codec):
             raise ValueError("codec %r does not send float64 lanes; lane_dtype does not apply"
                              % getattr(codec, "name", codec))
-        radix, k = codec.geometry(n)
+        if levels is None:
+            radix, k = codec.geometry(n)
+        else:
+            radix, k = lane_geometry(levels, n, codec.name)
         g = digits_per_lane32(radix)
         if g == 0:
             raise ValueError("%s: %d workers need radix %d > 2**24, so not one element fits a "
@@ -70,7 +74,7 @@ class Lanes32Layout:
                              "the launcher's server environment" % (codec.name, n, radix))
         g = min(g, k)
         gathered = n * codec.gathered_count(size)
-        body = codec.lane_count(size, n) - codec.trailer_lanes - gathered
+        body = -(-int(size) // k)
         return cls(codec.name, radix, k, g, body, codec.trailer_lanes, gathered, n)
 
     @property

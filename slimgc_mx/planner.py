@@ -50,6 +50,7 @@ class Bucket:
         self.grad_buf = make_buffer((self.size,), np.float32)
         self.agg = make_buffer((self.size,), np.float32)
         self.codec = codec  # compressed bucket: one codec instance for all its members
+        self._num_workers = num_workers
         self.residual = make_buffer((self.size,), np.float32) if codec is not None else None
         offset = 0
         for b in members.values():
@@ -68,8 +69,6 @@ class Bucket:
             if lanes32:
                 add_lanes32(self.rounds, codec, self.size, num_workers, make_buffer)
         self.round_sets = [self.rounds] if self.rounds else []  # one wire class
-        self.bit_buf = self.rounds[0].send if self.rounds else None
-        self.bit_sum = self.rounds[0].recv if self.rounds else None
         self.pending = []
         self.settings = None  # the optimizer settings of the first push since the last transfer
 
@@ -104,9 +103,12 @@ class Bucket:
     def take(self, name_of):
         """The transfer of what is in (the bucket starts collecting the next round)."""
         pending, self.pending = self.pending, []
+        # the codec's state is that of the bucket's last decoded push, alike on every worker
+        plan = tuple(self.codec.push_rounds(self.size, self._num_workers)) \
+            if self.codec is not None else (0,)
         return Transfer(self, pending[0].step, pending, self.settings, self.label(name_of),
                         compressed=self.codec is not None,
-                        priority=max(p.priority for p in pending))
+                        priority=max(p.priority for p in pending), plan=plan)
 
 
 class FusedRoute:
@@ -132,9 +134,10 @@ class FusedRoute:
                             transport.num_workers if codec is not None else 1, lanes32)
             if codec is None:
                 transport.declare(wire_key, bucket.grad_buf)
-            else:
-                bucket.rounds[0].key = wire_key
-                transport.declare(wire_key, bucket.rounds[0].wire_send)
+            else:  # a codec may declare several sum rounds and pick one per push (4bit)
+                for i, r in enumerate(bucket.rounds):
+                    r.key = wire_key if i == 0 else transport.keys.rounds(1)[0]
+                    transport.declare(r.key, r.wire_send)
             self.buckets.append(bucket)
             for key, _ in group:
                 self._of[key] = bucket
@@ -300,7 +303,7 @@ class Planner:
         limit = self.fuse_limit()
         small = {k: b for k, b in self.keys.items() if k not in members and self.steps[k] > 0
                  and b.codec is not None and b.device is None and b.nbytes < limit
-                 and b.codec.rounds == 1 and b.rounds[0].route == "sum"
+                 and b.codec.rounds == 1 and all(r.route == "sum" for r in b.rounds)
                  and len(b.round_sets) == 1 and b.codec.memory_size(b.size) == b.size}
         for key in list(members) + list(small):  # no transfer still reads their buffers
             self._wait_version(key, self.steps[key])

@@ -263,7 +263,7 @@ class GlobalUpdate:
         b = transfer.buffers
         if not transfer.decode_in_update:
             return None
-        lanes = b.bit_sum.for_read()
+        lanes = transfer.exchange.recv.for_read()
         if self.kernel is not None and len(transfer.pushes) == 1:
             return b.codec.decode_table(lanes, b.size, num_workers)
         # set_optimizer left SGD since this transfer was planned: decode, then update
@@ -279,7 +279,7 @@ class GlobalUpdate:
         # than the kernel's per-key engine waits (scripts/per_key_cost.py).
         kernel = self.kernel if len(transfer.pushes) == 1 else None
         if table is not None:
-            kernel.global_step_decoding(indices[0], transfer.buffers.bit_sum, table, glos[0])
+            kernel.global_step_decoding(indices[0], transfer.exchange.recv, table, glos[0])
         elif kernel is not None:
             kernel.global_step(indices, [p.buffers.agg for p in transfer.pushes], glos)
         else:

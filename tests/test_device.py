@@ -52,9 +52,9 @@ def run_workers(name, size, n_workers, steps, rng, shape=None):
     dev = DeviceCodec(codecs.create(name))
     res_cy = [np.zeros(size, np.float32) for _ in range(n_workers)]
     res_dev = [mx.nd.zeros((size,), dtype=np.float32) for _ in range(n_workers)]
-    n_lanes = cy.lane_count(size, n_workers)
-    body = n_lanes - cy.trailer_lanes
     for step in range(steps):
+        n_lanes = cy.lane_count(size, n_workers)  # 4bit's follows the group agreed so far
+        body = n_lanes - cy.trailer_lanes
         scale = STEP_SCALES[step % len(STEP_SCALES)]
         total = np.zeros(n_lanes, np.float64)
         for w in range(n_workers):

@@ -109,10 +109,11 @@ def optimizer_view(n, seed):
 
 
 class _Wire:
-    """Send and receive arrays of every round of a codec's current wire class."""
+    """Send and receive arrays of every round the codec's next push exchanges."""
 
     def __init__(self, codec, size, shape, n_workers):
-        self.rounds = codec.wire_rounds(size, shape, n_workers)
+        declared = codec.wire_rounds(size, shape, n_workers)
+        self.rounds = [declared[i] for i in codec.push_rounds(size, n_workers)]
         self.sends = [np.empty(int(np.prod(send)), dtype) for _, send, _, dtype in self.rounds]
         self.recvs = [np.empty(int(np.prod(recv)), dtype) for _, _, recv, dtype in self.rounds]
 

@@ -1,15 +1,18 @@
 """4bit (Jiang et al. 2021): 7 thresholds per group, compress toward zero, error feedback.
 
 r += g; for r > 0 emit the largest threshold X_k <= r (X7 when r >= X7) and subtract it;
-symmetric for r < 0; |r| < X1 emits 0. Every threshold is a multiple of 0.01, so the
-wire carries the signed value in 0.01 units, v in [-90, 90]: level q = v + 90, L = 181.
+symmetric for r < 0; |r| < X1 emits 0. The wire carries the signed value in the group's
+unit u (a divisor of its thresholds, in 0.01s): q = v / u + X7 / u, L = 2 * X7 / u + 1
+(121 levels for group 1, 19 for groups 2 and 3).
 The threshold group is shared: each worker appends a trailer lane with its mean |g|;
 decode() picks the NEXT push's group from (trailer sum) / N. The first push uses group 3.
+Every worker so knows the push's geometry before encoding: one wire round per geometry
+is declared, and push_rounds() picks the group's.
 """
 import numpy as np
 
 from .base import kernels
-from .lanes import LaneCodec, LaneReference
+from .lanes import LaneCodec, LaneReference, lane_geometry
 from .registry import register
 
 #: Table 1 thresholds X1..X7 of each group, in units of 0.01.
@@ -19,9 +22,19 @@ GROUPS = {
     3: (1, 3, 5, 6, 7, 8, 9),
 }
 UNIT = 0.01
-#: Largest threshold of any group, in units: the level offset.
-MAX_UNITS = 90
+#: Each group's wire unit, in units of 0.01: it divides every threshold of the group.
+GROUP_UNITS = {1: 1, 2: 10, 3: 1}
 INITIAL_GROUP = 3
+
+
+def group_offset(group):
+    """Level offset of `group`: its largest threshold in its own unit."""
+    return GROUPS[group][-1] // GROUP_UNITS[group]
+
+
+def group_levels(group):
+    """L of `group`: the signed values -X7..X7 in its unit."""
+    return 2 * group_offset(group) + 1
 
 
 def group_for_mean(mean_abs_grad):
@@ -38,9 +51,12 @@ def group_thresholds(group):
     return (UNIT * np.array(GROUPS[group], dtype=np.float64)).astype(np.float32)
 
 
-# Kernel arguments per group: thresholds, and units with a leading 0 (below X1).
-_KERNEL_ARGS = {g: (group_thresholds(g), np.array((0,) + u, dtype=np.intc))
-                for g, u in GROUPS.items()}
+# Kernel arguments per group: thresholds, units with a leading 0 (below X1), unit, offset.
+_KERNEL_ARGS = {g: (group_thresholds(g), np.array((0,) + u, dtype=np.intc), GROUP_UNITS[g],
+                    group_offset(g)) for g, u in GROUPS.items()}
+#: The lane geometries' level counts, in order of first use (the initial group's first).
+_GEOMETRY_LEVELS = tuple(dict.fromkeys(
+    group_levels(g) for g in (INITIAL_GROUP,) + tuple(sorted(GROUPS))))
 
 
 @register
@@ -51,15 +67,50 @@ class FourBit(LaneCodec):
     """
 
     name = "4bit"
-    levels = 2 * MAX_UNITS + 1
     trailer_lanes = 1
 
     def __init__(self, threshold=None, num_threads=None):
         super().__init__(threshold=threshold, num_threads=num_threads)
         self.group = INITIAL_GROUP
 
+    @property
+    def levels(self):
+        """L of the current group's wire (the next push's)."""
+        return group_levels(self.group)
+
     def _affine(self):
-        return UNIT, 1, -MAX_UNITS
+        # scale stays 0.01 and the unit goes in a, so that a sum decodes from the same
+        # exact integer (in 0.01s) whatever the group.
+        unit = GROUP_UNITS[self.group]
+        return UNIT, unit, -unit * group_offset(self.group)
+
+    def _lanes_for(self, levels, size, num_workers):
+        _, k = lane_geometry(levels, num_workers, self.name)
+        return -(-int(size) // k) + self.trailer_lanes
+
+    def wire_rounds(self, size, shape, num_workers):
+        """One sum key per geometry of the groups (L = 19, L = 121), in round_levels() order."""
+        rounds = []
+        for levels in _GEOMETRY_LEVELS:
+            n = max(1, self._lanes_for(levels, size, num_workers))
+            rounds.append(("sum", (n,), (n,), self.wire_dtype))
+        return rounds
+
+    def round_levels(self):
+        return _GEOMETRY_LEVELS
+
+    def push_rounds(self, size, num_workers):
+        """The key of the current group's geometry (the group is agreed state)."""
+        return (_GEOMETRY_LEVELS.index(self.levels),)
+
+    def wire_bits_per_element(self, num_workers):
+        """The worst group's bits (group 1's L = 121); group_wire_bits() gives each group's."""
+        return max(self.group_wire_bits(num_workers).values())
+
+    def group_wire_bits(self, num_workers):
+        """{group: bits per element on the wire, each direction} for `num_workers`."""
+        return {g: 8.0 * self.wire_dtype.itemsize
+                / lane_geometry(group_levels(g), num_workers, self.name)[1] for g in GROUPS}
 
     def _agree(self, mean_stat):
         self.group = group_for_mean(mean_stat)
@@ -77,10 +128,10 @@ class FourBit(LaneCodec):
         self.group = int(state["group"])
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
-        thresholds, units = _KERNEL_ARGS[self.group]
+        thresholds, units, unit, offset = _KERNEL_ARGS[self.group]
         return self._chunk_order_sum(self._kernel_result(
             kernels().encode_4bit(grad, residual, out, self._powers(radix, k), thresholds,
-                                  units, MAX_UNITS, self.num_threads, grad_checked),
+                                  units, unit, offset, self.num_threads, grad_checked),
             grad, residual, out))
 
     def device_levels(self, c, nd, const):
@@ -89,11 +140,12 @@ class FourBit(LaneCodec):
         for x in group_thresholds(self.group).tolist():
             step = a >= x
             idx = step if idx is None else idx + step
+        unit, offset = GROUP_UNITS[self.group], group_offset(self.group)
         units = const("units", self.group,
-                      lambda: nd.array((0,) + GROUPS[self.group], ctx=c.context,
-                                       dtype=np.float32))
+                      lambda: nd.array([u // unit for u in (0,) + GROUPS[self.group]],
+                                       ctx=c.context, dtype=np.float32))
         u = nd.take(units, idx)
-        return nd.where(c < 0.0, MAX_UNITS - u, u + MAX_UNITS)
+        return nd.where(c < 0.0, offset - u, u + offset)
 
     def device_statistic(self, grad, compensated):
         return grad
@@ -106,8 +158,8 @@ class FourBitReference(LaneReference, FourBit):
         idx = np.zeros(c.shape[0], dtype=np.int64)
         for x in group_thresholds(self.group):
             idx += a >= x
-        u = np.array((0,) + GROUPS[self.group], dtype=np.int64)[idx]
-        return MAX_UNITS + np.where(c < 0, -u, u)
+        u = np.array((0,) + GROUPS[self.group], dtype=np.int64)[idx] // GROUP_UNITS[self.group]
+        return group_offset(self.group) + np.where(c < 0, -u, u)
 
     def _statistic(self, grad, c, k):
         return np.abs(grad).astype(np.float64)

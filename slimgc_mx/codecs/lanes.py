@@ -114,10 +114,14 @@ class LaneCodec(Codec):
     # ------------------------------------------------------------ geometry
     def geometry(self, num_workers):
         """(R, k): lane radix and elements per lane for `num_workers`."""
-        key = ("geometry", check_num_workers(num_workers))
+        key = ("geometry", check_num_workers(num_workers), self.levels)
         if key not in self._cache:
             self._cache[key] = lane_geometry(self.levels, key[1], self.name)
         return self._cache[key]
+
+    def round_levels(self):
+        """L of the lanes of each round wire_rounds() declares (one round: the codec's)."""
+        return (self.levels,)
 
     def lane_count(self, size, num_workers):
         """Length of the lanes array for `size` elements (trailer lanes included)."""
