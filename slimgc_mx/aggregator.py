@@ -48,10 +48,11 @@ class Aggregator:
                           cfg.cttab_margin)
         self.cttab = cttab
         self.codec = codec
+        lane_format = self._lane_format()  # a worker count the lanes cannot hold raises here
         # float32 lanes (lanes32.py) when lane_dtype says so or the servers are inexact.
         self.lanes32 = lanes32.choose(cfg.lane_dtype, codec, transport)
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
-                                         lanes=self._lane_format(), lanes32=self.lanes32,
+                                         lanes=lane_format, lanes32=self.lanes32,
                                          bigarray_bound=transport.bigarray_bound))
         self.engine = EngineNotifier()
         self.backup = ModelBackup(cfg.backup, cfg.timeout, ArrayOps(self.engine))
