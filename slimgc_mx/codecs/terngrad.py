@@ -5,8 +5,9 @@ value s * (q - 1): unbiased for |c| <= s, L = 3, so the workers' levels add in r
 2N+1 lanes. The scale s is shared: every worker appends its statistic in its own slot of
 N trailer lanes, the sum puts them side by side, and decode() sets the NEXT push's scale
 to their maximum, a value every worker receives identically. The statistic is max |c|,
-or with option clip_sigma > 0 (the paper's 2.5) min(max |c|, clip_sigma * std(c)): the
-paper's clipping of outliers. What lies above s stays in the residual (the first push has
+or with option clip_sigma > 0 (default: the paper's 2.5) min(max |c|, clip_sigma * std(c)):
+the paper's clipping of outliers, without which the codec's variance stops training
+(docs/results.md, Table 3). What lies above s stays in the residual (the first push has
 s = 0: it sends only the statistics and the residual keeps the gradient); the rounding
 noise does too only with option error_feedback=true (lanes.NO_FEEDBACK_BY_DEFAULT).
 """
@@ -38,8 +39,8 @@ class TernGrad(LaneCodec):
     gathered = 1
     stochastic = True
     options = {
-        "clip_sigma": Option(float, 0.0, lambda v: 0 <= v < 1e6 and math.isfinite(v),
-                             "a number >= 0 (0: no clipping; the paper uses 2.5)"),
+        "clip_sigma": Option(float, 2.5, lambda v: 0 <= v < 1e6 and math.isfinite(v),
+                             "a number >= 0 (the paper's 2.5; 0: no clipping)"),
         "error_feedback": NO_FEEDBACK_BY_DEFAULT,
     }
 
