@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from typing import List
 
 DESCRIPTION = "bytes of memory traffic per element and step the pipeline's plan implies"
 

@@ -80,6 +80,15 @@ def check_vector(name, array, dtype, writeable=False, length=None):
     return array
 
 
+def output(out, length, dtype):
+    """`out` as a codec writes into it: checked to be a writeable 1-D `dtype` array of
+    `length` elements, or a new one when it is None."""
+    if out is None:
+        return np.empty(length, dtype=dtype)
+    check_vector("out", out, dtype, writeable=True, length=length)
+    return out
+
+
 def check_disjoint(**arrays):
     """Raise ValueError when two of the named arrays share memory."""
     items = list(arrays.items())

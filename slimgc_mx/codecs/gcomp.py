@@ -21,7 +21,7 @@ import zlib
 import numpy as np
 
 from .base import (Codec, NonFiniteGradientError, Option, check_disjoint, check_num_workers,
-                   check_vector, kernels, raise_nonfinite)
+                   check_vector, kernels, output, raise_nonfinite)
 from .registry import register
 
 #: Elements per block: blocks encode and decode independently (and in parallel).
@@ -333,10 +333,7 @@ class GComp(Codec):
                              % (residual.shape[0], grad.shape[0]))
         size = grad.shape[0]
         n_lanes = self.lane_count(size, n_workers)
-        if out is None:
-            out = np.empty(n_lanes, dtype=self.wire_dtype)
-        else:
-            check_vector("out", out, self.wire_dtype, writeable=True, length=n_lanes)
+        out = output(out, n_lanes, self.wire_dtype)
         check_disjoint(grad=grad, residual=residual, out=out)
         blocks, header, _, _ = self._geometry(size)
         args = self._level_args(size)
@@ -372,10 +369,7 @@ class GComp(Codec):
         n_workers = check_num_workers(num_workers)
         n_lanes = self.lane_count(size, n_workers)
         check_vector("slots", slots, self.wire_dtype, length=n_workers * n_lanes)
-        if out is None:
-            out = np.empty(size, dtype=np.float32)
-        else:
-            check_vector("out", out, np.float32, writeable=True, length=size)
+        out = output(out, size, np.float32)
         check_disjoint(slots=slots, out=out)
         starts, words, wanted, used = self._parse(slots, size, n_workers, n_lanes)
         histogram = self._decode_into(slots, starts, words, size, out)

@@ -22,7 +22,7 @@ import numbers
 import numpy as np
 
 from .base import (Codec, Option, check_disjoint, check_num_workers, check_vector, kernels,
-                   raise_nonfinite)
+                   output, raise_nonfinite)
 from .layout import CHUNK_LANES, ROW
 
 #: Largest integer below which every integer is exact in float64.
@@ -197,10 +197,7 @@ class LaneCodec(Codec):
                              % (residual.shape[0], grad.shape[0]))
         size = grad.shape[0]
         n_lanes = self.lane_count(size, n_workers)
-        if out is None:
-            out = np.empty(n_lanes, dtype=self.wire_dtype)
-        else:
-            check_vector("out", out, self.wire_dtype, writeable=True, length=n_lanes)
+        out = output(out, n_lanes, self.wire_dtype)
         check_disjoint(grad=grad, residual=residual, out=out)
         stat = self._encode_into(grad, residual, out, radix, k, grad_checked)
         if self.trailer_lanes:
@@ -221,10 +218,7 @@ class LaneCodec(Codec):
         receives the same sum, so every worker's instance stays equal).
         """
         n_workers, radix, k, stat = self._check_sum(lanes_sum, size, num_workers)
-        if out is None:
-            out = np.empty(size, dtype=np.float32)
-        else:
-            check_vector("out", out, np.float32, writeable=True, length=size)
+        out = output(out, size, np.float32)
         check_disjoint(lanes_sum=lanes_sum, out=out)
         self._decode_into(lanes_sum, out, n_workers, radix, k)
         self._agreed(stat)

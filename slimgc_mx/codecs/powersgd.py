@@ -16,7 +16,7 @@ import numpy as np
 
 from . import rng
 from .base import (Codec, NonFiniteGradientError, Option, check_disjoint, check_num_workers,
-                   check_vector, kernels, raise_nonfinite)
+                   check_vector, kernels, output, raise_nonfinite)
 from .registry import register
 
 
@@ -139,10 +139,7 @@ class PowerSGD(Codec):
         check_vector("grad", grad, np.float32)
         n, m, r = self._matrix(grad.shape[0])
         check_vector("residual", residual, np.float32, writeable=True, length=n * m)
-        if out is None:
-            out = np.empty(n * r, dtype=self.wire_dtype)
-        else:
-            check_vector("out", out, self.wire_dtype, writeable=True, length=n * r)
+        out = output(out, n * r, self.wire_dtype)
         check_disjoint(grad=grad, residual=residual, out=out)
         if self.q is None:
             self.q = np.empty((m, r), dtype=np.float32)
@@ -183,10 +180,7 @@ class PowerSGD(Codec):
                              "(encode, then next_round)")
         if not np.isfinite(wire_sum).all():
             raise ValueError("codec 'powersgd': the summed Q holds NaN/Inf")
-        if out is None:
-            out = np.empty(size, dtype=np.float32)
-        else:
-            check_vector("out", out, np.float32, writeable=True, length=size)
+        out = output(out, size, np.float32)
         check_disjoint(wire_sum=wire_sum, out=out)
         q_sum = wire_sum.reshape(m, r)
         self._outer(out, self._p_hat, q_sum, subtract=False)

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import rng
 from .base import (Codec, Option, check_disjoint, check_num_workers, check_vector, kernels,
-                   raise_nonfinite)
+                   output, raise_nonfinite)
 from .registry import register
 
 #: Largest tensor randomk takes: stratum arithmetic s * n stays in int64.
@@ -72,10 +72,7 @@ class RandomK(Codec):
         check_vector("grad", grad, np.float32)
         check_vector("residual", residual, np.float32, writeable=True, length=grad.shape[0])
         k = self.count(grad.shape[0])
-        if out is None:
-            out = np.empty(k, dtype=self.wire_dtype)
-        else:
-            check_vector("out", out, self.wire_dtype, writeable=True, length=k)
+        out = output(out, k, self.wire_dtype)
         check_disjoint(grad=grad, residual=residual, out=out)
         self._encode_into(grad, residual, out, grad_checked)
         return out
@@ -85,10 +82,7 @@ class RandomK(Codec):
         check_num_workers(num_workers)
         k = self.count(size)
         check_vector("wire_sum", wire_sum, self.wire_dtype, length=k)
-        if out is None:
-            out = np.empty(size, dtype=np.float32)
-        else:
-            check_vector("out", out, np.float32, writeable=True, length=size)
+        out = output(out, size, np.float32)
         check_disjoint(wire_sum=wire_sum, out=out)
         self._decode_into(wire_sum, out)
         self.pushes += 1

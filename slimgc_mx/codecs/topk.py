@@ -22,7 +22,7 @@ import numbers
 import numpy as np
 
 from .base import (Codec, NonFiniteGradientError, Option, check_disjoint, check_num_workers,
-                   check_vector, kernels, raise_nonfinite)
+                   check_vector, kernels, output, raise_nonfinite)
 from .registry import register
 
 #: Most lanes in a row of a slot: rows of 4 KiB outweigh the ~12 bytes per row that the
@@ -169,10 +169,7 @@ class TopK(Codec):
         check_vector("residual", residual, np.float32, writeable=True,
                      length=self.memory_size(size))
         k, lanes = self._slot(size)
-        if out is None:
-            out = np.empty(lanes, dtype=self.wire_dtype)
-        else:
-            check_vector("out", out, self.wire_dtype, writeable=True, length=lanes)
+        out = output(out, lanes, self.wire_dtype)
         check_disjoint(grad=grad, residual=residual, out=out)
         bad_grad, bad_c, _, _ = self._encode_into(grad, residual, out, k, n_workers,
                                                   grad_checked)
@@ -193,10 +190,7 @@ class TopK(Codec):
         size = check_size(size)
         k, slot = self._slot(size)
         check_vector("gathered", gathered, self.wire_dtype, length=n_workers * slot)
-        if out is None:
-            out = np.empty(size, dtype=np.float32)
-        else:
-            check_vector("out", out, np.float32, writeable=True, length=size)
+        out = output(out, size, np.float32)
         check_disjoint(gathered=gathered, out=out)
         worker, problem = self._decode_into(gathered, out, slot, k, n_workers)
         if problem:
