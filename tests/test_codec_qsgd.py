@@ -154,55 +154,7 @@ def test_block_uniforms_equal_the_element_generator(start, count):
 
 
 # ---------------------------------------------------------------- through the kvstore
-def _allreduce_equals_reference(name, options, size=5000, n=3, steps=3):
-    """pushpull without an optimizer returns the decoded sum, bit for bit the reference's."""
-    import mxnet as mx
-    import training_helpers as th
-    from slimgc_mx.codecs.rng import key_seed
-    from slimgc_mx.kvstore import SlimGC
-
-    rng = np.random.RandomState(7)
-    grads = rng.randn(steps, n, size).astype(np.float32)
-
-    def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor=name, comm_threshold="off", backup=False,
-                    **options)
-        kv.init(0, mx.nd.zeros(size))
-        outs = []
-        for s in range(steps):
-            out = mx.nd.zeros(size)
-            kv.pushpull(0, mx.nd.array(grads[s, rank]), out=out)
-            outs.append(out.asnumpy())
-        kv.close()
-        return outs
-
-    results = th.in_threads(n, worker)
-    ref = codecs.create(name, reference=True, **options)
-    ref.seed = key_seed(0, 0)
-    residuals = [np.zeros(size, np.float32) for _ in range(n)]
-    for s in range(steps):
-        lanes = sum(ref.encode(grads[s, r], residuals[r], n, rank=r) for r in range(n))
-        expected = ref.decode(lanes, size, n)
-        assert s == 0 or expected.any()
-        for r in range(n):
-            np.testing.assert_array_equal(results[r][s], expected)
-
-
-def _workers_train_to_the_same_weights(name, options):
-    import training_helpers as th
-
-    runs = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(12),
-                             compressor=name, comm_threshold=256, warmup_steps=2, **options)
-    assert runs[0][1]["compressed_transfers"] > 0
-    for a, b in zip(runs[0][0], runs[1][0]):
-        np.testing.assert_array_equal(a, b)
-        assert np.isfinite(a).all()
-
-
-@pytest.mark.parametrize("options", [{}, {"levels": 2, "bucket_size": 64}])
-def test_allreduce_through_the_kvstore_equals_the_reference(options):
-    _allreduce_equals_reference("qsgd", options)
-
-
+# (pushpull against the reference: tests/test_kvstore.py, every codec)
 def test_workers_train_to_the_same_weights():
-    _workers_train_to_the_same_weights("qsgd", {"bucket_size": 128})
+    import training_helpers as th  # imports MXNet: only the kvstore tests need it
+    th.check_workers_train_to_the_same_weights("qsgd", bucket_size=128)

@@ -78,7 +78,9 @@ def test_none_codec_single_worker_matches_plain_trainer(backup):
     ("2bit", False, {}), ("4bit", False, {}), ("terngrad", True, {}), ("terngrad", False, {}),
     ("topk", True, {"ratio": 0.05}), ("topk", False, {"ratio": 0.05}),
     ("dgc", True, {"ratio": 0.01, "warmup_stage_steps": 1}),
-    ("dgc", False, {"ratio": 0.01, "warmup_stage_steps": 1})])
+    ("dgc", False, {"ratio": 0.01, "warmup_stage_steps": 1}),
+    ("qsgd", True, {}), ("qsgd", True, {"levels": 2, "bucket_size": 64}),
+    ("thc", True, {}), ("thc", True, {"granularity": 4, "hadamard": True})])
 def test_allreduce_over_threads_equals_the_codec_reference(name, offload, options):
     """Without an optimizer pushpull returns the summed (decoded) gradient, exactly.
 
@@ -117,6 +119,7 @@ def test_allreduce_over_threads_equals_the_codec_reference(name, offload, option
             total = combine(ref, wires, range(n), n)  # summed, or gathered side by side
             pushed, pulled = pushed + wires[0].nbytes, pulled + total.nbytes
             expected = ref.decode(total, size, n)
+            assert s == 0 or expected.any()  # a shared scale agreed at step 0 sends after it
         for r in range(n):
             if name == "none":
                 np.testing.assert_allclose(results[r][0][s], expected, rtol=1e-6, atol=1e-6)

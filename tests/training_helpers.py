@@ -103,3 +103,14 @@ def sgd_with_everything(momentum):
     return mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=1e-3, rescale_grad=0.25,
                             clip_gradient=2.0, param_dict=params,
                             lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5))
+
+
+def check_workers_train_to_the_same_weights(compressor, **options):
+    """Two worker threads train with `compressor` (some keys compressed after a short
+    warm-up) and end with bitwise-equal, finite weights."""
+    runs = slimgc_workers(2, lambda: dense_net((32, 4), 0), batches(12), compressor=compressor,
+                          comm_threshold=256, warmup_steps=2, **options)
+    assert runs[0][1]["compressed_transfers"] > 0
+    for a, b in zip(runs[0][0], runs[1][0]):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(a).all()
