@@ -284,24 +284,11 @@ mx = pytest.importorskip("mxnet")
 def test_allreduce_over_threads_gathers_and_decodes_like_the_reference(offload):
     import training_helpers as th
     from slimgc_mx.codecs.rng import key_seed
-    from slimgc_mx.kvstore import SlimGC
     n, size, steps = 3, 30000, 4
     grads = np.random.RandomState(7).randn(steps, n, size).astype(np.float32)
-
-    def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor="gcomp", comm_threshold="off", backup=False,
-                    offload=offload, codec_options={"delta_slack": 9, "refresh": 2})
-        kv.init(0, mx.nd.zeros(size))
-        outs = []
-        for s in range(steps):
-            out = mx.nd.zeros(size)
-            kv.pushpull(0, mx.nd.array(grads[s, rank]), out=out)
-            outs.append(out.asnumpy())
-        stats = kv.stats()
-        kv.close()
-        return outs, stats
-
-    results = th.in_threads(n, worker)
+    results = th.pushpull_workers(grads, compressor="gcomp", comm_threshold="off",
+                                  backup=False, offload=offload,
+                                  codec_options={"delta_slack": 9, "refresh": 2})
     ref = [codecs.create("gcomp", reference=True, delta_slack=9, refresh=2) for _ in range(n)]
     residuals = [np.zeros(size, np.float32) for _ in range(n)]
     pushed = 0

@@ -92,20 +92,8 @@ def test_allreduce_over_threads_equals_the_codec_reference(name, offload, option
     rng = np.random.RandomState(7)
     grads = rng.randn(steps, n, size).astype(np.float32)
 
-    def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor=name, comm_threshold="off", backup=False,
-                    offload=offload, **options)
-        kv.init(0, mx.nd.zeros(size))
-        outs = []
-        for s in range(steps):
-            out = mx.nd.zeros(size)
-            kv.pushpull(0, mx.nd.array(grads[s, rank]), out=out)
-            outs.append(out.asnumpy())
-        stats = kv.stats()
-        kv.close()
-        return outs, stats
-
-    results = th.in_threads(n, worker)
+    results = th.pushpull_workers(grads, compressor=name, comm_threshold="off", backup=False,
+                                  offload=offload, **options)
     ref = codecs.create(name, reference=True, **options) if name != "none" else None
     if ref is not None:
         ref.seed = key_seed(0, 0)  # what the kvstore gives key #0 of a job with seed 0

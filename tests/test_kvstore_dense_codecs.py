@@ -26,20 +26,8 @@ def test_allreduce_over_threads_equals_the_codec_reference(name, options, offloa
     rng = np.random.RandomState(7)
     grads = rng.randn(steps, n, size).astype(np.float32)
 
-    def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor=name, comm_threshold="off", backup=False,
-                    offload=offload, **options)
-        kv.init(0, mx.nd.zeros(shape))
-        outs = []
-        for s in range(steps):
-            out = mx.nd.zeros(shape)
-            kv.pushpull(0, mx.nd.array(grads[s, rank].reshape(shape)), out=out)
-            outs.append(out.asnumpy().ravel())
-        stats = kv.stats()
-        kv.close()
-        return outs, stats
-
-    results = th.in_threads(n, worker)
+    results = th.pushpull_workers(grads, shape, compressor=name, comm_threshold="off",
+                                  backup=False, offload=offload, **options)
     cs = make(name, n, True, options, size=size, shape=shape)  # key #0 of a job with seed 0
     residuals = [np.zeros(size, np.float32) for _ in range(n)]
     sent = 0

@@ -130,28 +130,15 @@ def test_config():
 def test_float32_lanes_give_the_same_sums(name, offload, n):
     """The lane sums are exact either way, so the decoded sums are bitwise equal; the
     bytes counted are the float32 lanes'."""
-    import mxnet as mx
     import training_helpers as th
-    from slimgc_mx.kvstore import SlimGC
 
     size, steps = 5000, 4
     grads = np.random.RandomState(3).randn(steps, n, size).astype(np.float32)
     options = {"ratio": 0.05} if name == "topk" else {}
 
     def run(lane_dtype):
-        def worker(rank, transport):
-            kv = SlimGC(transport=transport, compressor=name, comm_threshold="off",
-                        backup=False, offload=offload, lane_dtype=lane_dtype, **options)
-            kv.init(0, mx.nd.zeros(size))
-            outs = []
-            for s in range(steps):
-                out = mx.nd.zeros(size)
-                kv.pushpull(0, mx.nd.array(grads[s, rank]), out=out)
-                outs.append(out.asnumpy())
-            stats = kv.stats()
-            kv.close()
-            return outs, stats
-        return th.in_threads(n, worker)
+        return th.pushpull_workers(grads, compressor=name, comm_threshold="off", backup=False,
+                                   offload=offload, lane_dtype=lane_dtype, **options)
 
     r64, r32 = run("float64"), run("float32")
     for (o64, s64), (o32, s32) in zip(r64, r32):

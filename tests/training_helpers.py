@@ -114,3 +114,25 @@ def check_workers_train_to_the_same_weights(compressor, **options):
     for a, b in zip(runs[0][0], runs[1][0]):
         np.testing.assert_array_equal(a, b)
         assert np.isfinite(a).all()
+
+
+def pushpull_workers(grads, shape=None, **options):
+    """grads (steps, N, size): N worker threads each pushpull their gradient of every step
+    through one key (of `shape`, default flat) of a SlimGC(**options) store without an
+    optimizer; per rank ([the flat value returned at each step], the store's stats)."""
+    steps, n, size = grads.shape
+    shape = (size,) if shape is None else tuple(shape)
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, **options)
+        kv.init(0, mx.nd.zeros(shape))
+        outs = []
+        for s in range(steps):
+            out = mx.nd.zeros(shape)
+            kv.pushpull(0, mx.nd.array(grads[s, rank].reshape(shape)), out=out)
+            outs.append(out.asnumpy().ravel())
+        stats = kv.stats()
+        kv.close()
+        return outs, stats
+
+    return in_threads(n, worker)
