@@ -1,6 +1,7 @@
 """Codecs: Cython kernels against the NumPy reference, exact aggregation, error feedback,
 input errors, the NaN/Inf policy, shared-state agreement, clone/state_dict."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -303,7 +304,6 @@ def test_clone_and_state_dict(name):
 def test_registry():
     # every codec file of the package registers its codec, and nothing else is registered
     import glob
-    import re
     folder = os.path.dirname(codecs.__file__)
     declared = set()
     for path in glob.glob(os.path.join(folder, "*.py")):
@@ -452,3 +452,17 @@ def test_grad_checked_skips_only_the_pre_check(name):
     with pytest.raises(codecs.NonFiniteGradientError,
                        match=r"grad\[%d\].*grad_checked=True.*reset the residual" % (n // 2)):
         b.encode(g, r2, 2, grad_checked=True)
+
+
+@pytest.mark.parametrize("name, bad", [("1bit", -1.0), ("1bit", float("inf")),
+                                       ("terngrad", float("nan")), ("terngrad", -0.5),
+                                       ("thc", float("inf")), ("thc", 0.1)])
+def test_a_checkpointed_scale_outside_the_codecs_rule_is_refused(name, bad):
+    c = codecs.create(name)
+    state = dict(c.state_dict(), scale=bad)
+    with pytest.raises(ValueError, match="%s scale must be %s, got" % (name, re.escape(
+            type(c).scale_rule))):
+        c.load_state_dict(state)
+    good = dict(c.state_dict(), scale=0.5)
+    c.load_state_dict(good)
+    assert c.scale == 0.5 and c.state_dict()["scale"] == 0.5

@@ -319,6 +319,30 @@ class LaneCodec(Codec):
         return None
 
 
+class SharedScale:
+    """Mixin of a lane codec whose shared state is one scale that decode() sets (1bit,
+    terngrad, thc): kept in state_dict() and checked against `scale_rule` on load."""
+
+    scale_rule = "finite and >= 0"
+
+    @staticmethod
+    def _valid_scale(scale):
+        return scale >= 0 and math.isfinite(scale)
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["scale"] = self.scale
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        scale = float(state["scale"])
+        if not self._valid_scale(scale):
+            raise ValueError("%s scale must be %s, got %r"
+                             % (self.name, self.scale_rule, state["scale"]))
+        self.scale = scale
+
+
 class LaneReference:
     """NumPy encode/decode of a lane codec: compensate, level, feed back, pack; unpack, scale.
 

@@ -8,12 +8,12 @@ push has s = 0: it sends only the statistic and error feedback keeps the gradien
 import numpy as np
 
 from .base import kernels
-from .lanes import LaneCodec, LaneReference
+from .lanes import LaneCodec, LaneReference, SharedScale
 from .registry import register
 
 
 @register
-class OneBit(LaneCodec):
+class OneBit(SharedScale, LaneCodec):
     """Sign codec, L = 2, shared scale from the previous push's aggregated mean |g + r|.
 
     `threshold` is accepted for a uniform create() call and ignored: the scale adapts.
@@ -33,17 +33,6 @@ class OneBit(LaneCodec):
     def _agree(self, mean_stat):
         self.scale = float(mean_stat)
 
-    def state_dict(self):
-        state = super().state_dict()
-        state["scale"] = self.scale
-        return state
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        scale = float(state["scale"])
-        if not scale >= 0 or scale == float("inf"):
-            raise ValueError("1bit scale must be finite and >= 0, got %r" % (state["scale"],))
-        self.scale = scale
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         return self._chunk_order_sum(self._kernel_result(

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import rng
 from .base import Option, kernels
-from .lanes import NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference, chunk_sum
+from .lanes import NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference, SharedScale, chunk_sum
 from .registry import register
 
 
@@ -31,7 +31,7 @@ def _clip_stat(top, total, squares, size, clip_sigma):
 
 
 @register
-class TernGrad(LaneCodec):
+class TernGrad(SharedScale, LaneCodec):
     """Ternary levels with a scale shared through gathered trailer values (the max)."""
 
     name = "terngrad"
@@ -54,17 +54,6 @@ class TernGrad(LaneCodec):
     def _agree(self, gathered):
         self.scale = float(np.float32(gathered[:, 0].max()))
 
-    def state_dict(self):
-        state = super().state_dict()
-        state["scale"] = self.scale
-        return state
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        scale = float(state["scale"])
-        if not (scale >= 0 and math.isfinite(scale)):
-            raise ValueError("terngrad scale must be finite and >= 0, got %r" % (state["scale"],))
-        self.scale = scale
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         rows = self._kernel_result(

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import rng
 from .base import NonFiniteGradientError, Option, kernels, raise_nonfinite
-from .lanes import LaneCodec, LaneReference, pack_lanes
+from .lanes import LaneCodec, LaneReference, SharedScale, pack_lanes
 from .registry import register
 
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -34,7 +34,7 @@ def padded_size(size):
 
 
 @register
-class THC(LaneCodec):
+class THC(SharedScale, LaneCodec):
     """Uniform levels on [-M, M], M shared through gathered trailer values (the max)."""
 
     name = "thc"
@@ -46,6 +46,11 @@ class THC(LaneCodec):
         "hadamard": Option(bool, False, lambda v: True,
                            "true or false (rotate by a randomized Hadamard transform)"),
     }
+    scale_rule = "a float32 value in [0, 3.4e38]"
+
+    @staticmethod
+    def _valid_scale(scale):
+        return 0 <= scale <= FLT_MAX and scale == float(np.float32(scale))
 
     def __init__(self, threshold=None, num_threads=None, **options):
         super().__init__(threshold=threshold, num_threads=num_threads, **options)
@@ -73,19 +78,6 @@ class THC(LaneCodec):
         if m and (self.levels - 1) / (2.0 * m) > FLT_MAX:
             m = 0.0
         self.scale = m
-
-    def state_dict(self):
-        state = super().state_dict()
-        state["scale"] = self.scale
-        return state
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        scale = float(state["scale"])
-        if not (0 <= scale <= FLT_MAX) or scale != float(np.float32(scale)):
-            raise ValueError("thc scale must be a float32 value in [0, 3.4e38], got %r"
-                             % (state["scale"],))
-        self.scale = scale
 
     # ------------------------------------------------------------ geometry
     def lane_count(self, size, num_workers):
