@@ -52,6 +52,16 @@ def test_momentum_correction_and_factor_masking():
     assert 0 < np.count_nonzero(h[-1]["decoded"][0]) <= math.ceil(0.001 * size)
 
 
+def test_an_element_sent_every_step_loses_its_momentum():
+    # Factor masking zeroes u where v is sent: at ratio 1 every element goes every step,
+    # so each push sends the gradients themselves, whatever the momentum: plain SGD's update.
+    h = run_steps("dgc", 2, 5_000, 4, {"momentum": 0.9, "ratio": 1.0}, seed=3)
+    for step in h:
+        np.testing.assert_array_equal(step["decoded"][0], step["grads"][0] + step["grads"][1])
+        for memory in step["residuals"]:
+            assert not memory.any(), "v and u must be zero after everything is sent"
+
+
 def test_the_sampled_threshold_sends_a_top_set_of_at_most_k():
     size = 400_000
     c = codecs.create("dgc", ratio=0.01, momentum=0.0)
