@@ -23,8 +23,7 @@ from .planner import Planner
 from .threshold import CTTab, NEVER
 from .trace import Trace
 from .transport import ArrayOps, Buffer, EngineNotifier, copy_array
-from .update import (GlobalUpdate, LocalUpdater, OptSettings, check_loc_optimizer,
-                     optimizer_settings)
+from .update import GlobalUpdate, LocalUpdater, check_loc_optimizer, optimizer_settings
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +178,7 @@ class Aggregator:
             if self.trace is not None:
                 self.trace.span("local update", start, time.perf_counter(),
                                 key=self.name_of(key), step=step)
-        settings = OptSettings.of(self.update.optimizer)
+        settings = self.update.settings(b.index)
         if bucket is None:
             transfer = self.planner.transfer(push, settings, self.update.decodes_in_update)
             if transfer.compressed and b.codec.wants_optimizer:

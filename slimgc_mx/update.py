@@ -25,14 +25,15 @@ class OptSettings:
     step is still being aggregated; the global update applies the ones of its step.
     """
 
-    lr: float
+    lr: float  # the step's rate: the lr scheduler's, when the optimizer has one
     wd: float
     rescale_grad: float
     param_dict: dict
 
     @classmethod
-    def of(cls, optimizer):
-        return cls(optimizer.lr, optimizer.wd, optimizer.rescale_grad, optimizer.param_dict)
+    def of(cls, optimizer, lr=None):
+        return cls(optimizer.lr if lr is None else lr, optimizer.wd, optimizer.rescale_grad,
+                   optimizer.param_dict)
 
     def apply(self, optimizer):
         optimizer.lr, optimizer.wd = self.lr, self.wd
@@ -160,9 +161,8 @@ def optimizer_view(opt, index, arrays, settings=None):
     optimizer the view has no kind for (the codec then uses its default).
 
     arrays: () -> (w_i, state1, state2) as float32 NumPy arrays, called on the encoding
-    thread. lr and wd: the step's settings (OptSettings, default `opt`'s own) times the
-    parameter's lr_mult / wd_mult; with an lr scheduler that is its base rate, since
-    calling the scheduler here would race with the update's.
+    thread. lr and wd: the step's settings (OptSettings, default `opt`'s own: its base rate
+    when it has an lr scheduler) times the parameter's lr_mult / wd_mult.
     """
     kind = _VIEW_KINDS.get(type(opt))
     if kind is None:
@@ -213,6 +213,14 @@ def clone_optimizer(opt):
     return twin
 
 
+def _unscheduled_clone(opt):
+    """The clone that drives the global updates: without the lr scheduler, so that its
+    rate is the one OptSettings carries (GlobalUpdate.settings)."""
+    twin = clone_optimizer(opt)
+    twin.lr_scheduler = None
+    return twin
+
+
 class GlobalUpdate:
     """glo_buf <- one optimizer step with the aggregate, on the aggregation thread.
 
@@ -224,8 +232,24 @@ class GlobalUpdate:
     def __init__(self, optimizer, num_threads):
         self.optimizer = optimizer
         self.num_threads = num_threads
-        self.updater = mx.optimizer.get_updater(clone_optimizer(optimizer))
+        self.updater = mx.optimizer.get_updater(_unscheduled_clone(optimizer))
+        self._num_update = self.updater.optimizer.num_update
         self.kernel = self._kernel()
+
+    def settings(self, index):
+        """The settings of the push of `index` the training thread is making (the key's last
+        update has published): the trainer's, with lr from the lr scheduler at the update
+        count MXNet's Updater would be at, num_update = the most updates of any index.
+
+        The scheduler is called here, in push order, the same on every worker; keys finish
+        aggregating in whichever order their sums arrive, and an update there that called
+        it would take the rate of whichever keys had finished (workers would differ).
+        """
+        opt, driven = self.optimizer, self.updater.optimizer
+        count = driven._index_update_count.get(index, driven.begin_num_update) + 1
+        self._num_update = max(self._num_update, count)
+        scheduler = opt.lr_scheduler
+        return OptSettings.of(opt, None if scheduler is None else scheduler(self._num_update))
 
     def _kernel(self):
         """The CPU kernel for MXNet's SGD, or None for other optimizers."""
@@ -289,25 +313,32 @@ class GlobalUpdate:
                          [g.nd for g in glos])
 
     def state(self):
-        """The optimizer (as it drives the updates) and its per-index states, as data."""
-        return {"optimizer": optimizer_state(self.updater.optimizer),
-                "states": updater_states(self.updater)}
+        """The optimizer (its counters as it drives the updates, the trainer's lr scheduler)
+        and its per-index states, as data."""
+        state = optimizer_state(self.updater.optimizer)
+        state["scheduler"] = optimizer_state(self.optimizer)["scheduler"]
+        return {"optimizer": state, "states": updater_states(self.updater)}
 
     def load_state(self, state, where):
         """Restore state(): into the trainer-facing optimizer, which a fresh clone drives."""
         restore_optimizer(self.optimizer, state["optimizer"], where)
-        self.updater.optimizer = clone_optimizer(self.optimizer)
+        self._drive(self.optimizer)
         set_updater_states(self.updater, state["states"])
-        self.kernel = self._kernel()  # takes the loaded momentum at its first use
 
     def load_pickled_states(self, states):
         """Load MXNet's own pickled Updater states (a checkpoint of the old format)."""
+        driven = self.updater.optimizer
         self.updater.set_states(states)
-        loaded = self.updater.optimizer
-        if loaded is not self.optimizer:  # the file held the optimizer itself
-            self.optimizer = loaded
-            self.updater.optimizer = clone_optimizer(loaded)
-        self.kernel = self._kernel()
+        if self.updater.optimizer is not driven:  # the file held the optimizer itself
+            self.optimizer = self.updater.optimizer
+            self._drive(self.optimizer)
+        else:
+            self.kernel = self._kernel()
+
+    def _drive(self, optimizer):
+        self.updater.optimizer = _unscheduled_clone(optimizer)
+        self._num_update = self.updater.optimizer.num_update
+        self.kernel = self._kernel()  # takes the loaded momentum at its first use
 
 
 class LocalUpdater:
