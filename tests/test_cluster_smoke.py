@@ -260,3 +260,20 @@ def test_horovod_rows_are_skipped_with_a_note_when_it_is_not_installed(monkeypat
                   "horovod-fp32,fp32", "--out", str(tmp_path), "--no-netns"])
     assert ran == ["fp32"]
     assert "Horovod is not installed; skipping horovod-fp32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status, runs", [(128 + 9, 2), (128 + 2, 1), (128 + 15, 1)])
+def test_a_killed_worker_fails_its_config_and_an_interrupt_stops_the_rest(monkeypatch, tmp_path,
+                                                                           status, runs):
+    # SIGKILL (the out-of-memory killer) fails one configuration; SIGINT / SIGTERM stop all.
+    ran = []
+
+    def run_config(name, opts, cluster_, outdir, seed=0, repeat=0, build=None):
+        ran.append(name)
+        return {"config": name, "ok": False, "status": status, "error": None, "log": "x.log"}
+    monkeypatch.setattr(cluster, "run_config", run_config)
+    code = cluster.main(["--no-netns", "--model", "fc", "--configs", "fp32,no-comm",
+                         "--out", str(tmp_path)])
+    assert ran == ["fp32", "no-comm"][:runs]
+    assert code != 0
+    assert json.loads((tmp_path / "summary.json").read_text())["results"][0]["status"] == status

@@ -38,6 +38,12 @@ HOROVOD = {"horovod-fp32": "none", "horovod-fp16": "fp16"}
 
 # ---------------------------------------------------------------- configurations
 
+#: Job exit statuses that mean the user interrupted it (128 + SIGINT, SIGTERM, SIGHUP). A
+#: process killed otherwise (the out-of-memory killer's SIGKILL, a SIGSEGV) fails its
+#: configuration, and the next one runs.
+INTERRUPTED = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP}
+
+
 def config_args(name: str) -> List[str]:
     """train.py communication options of a configuration name (ValueError if unknown)."""
     if name == "fp32":
@@ -678,7 +684,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
                 rec = run_config(name, opts, cluster, opts.out, seed, rep, build)
                 rec["repeat"] = rep
                 results.append(rec)
-                if rec.get("status", 0) >= 128:  # the job was interrupted: stop here
+                if rec.get("status", 0) in INTERRUPTED:  # the user stopped the job: stop here
                     raise KeyboardInterrupt
                 if not rec["ok"]:
                     status = 1
