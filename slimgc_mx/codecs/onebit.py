@@ -33,7 +33,6 @@ class OneBit(SharedScale, LaneCodec):
     def _agree(self, mean_stat):
         self.scale = float(mean_stat)
 
-
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         return self._chunk_order_sum(self._kernel_result(
             kernels().encode_1bit(grad, residual, out, self._powers(radix, k),

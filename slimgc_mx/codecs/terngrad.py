@@ -54,7 +54,6 @@ class TernGrad(SharedScale, LaneCodec):
     def _agree(self, gathered):
         self.scale = float(np.float32(gathered[:, 0].max()))
 
-
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
         rows = self._kernel_result(
             kernels().encode_terngrad(grad, residual, out, self._powers(radix, k),
