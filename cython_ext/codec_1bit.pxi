@@ -25,8 +25,9 @@ cdef Py_ssize_t _levels_1bit(const float* g, float* r, float* q, Py_ssize_t cnt,
 
 def encode_1bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, float scale, int num_threads,
-                bint grad_checked=False):
+                bint grad_checked=False, LocalSGD local=None):
     """1bit: returns (counts as encode_2bit, sum |c|)."""
-    cdef EncodeJob job = _lane_job(_levels_1bit, grad, residual, lanes, powers, grad_checked)
+    cdef EncodeJob job = _lane_job(_levels_1bit, grad, residual, lanes, powers,
+                                   grad_checked, local)
     job.args.scale = scale
     return _run(&job, num_threads)

@@ -19,15 +19,17 @@ cdef Py_ssize_t _levels_2bit(const float* g, float* r, float* q, Py_ssize_t cnt,
 
 def encode_2bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, float threshold, int num_threads,
-                bint grad_checked=False):
+                bint grad_checked=False, LocalSGD local=None):
     """2bit: fills lanes[:ceil(n/k)], updates residual.
 
     Returns (non-finite grad count, non-finite grad + residual count, 0.0); nothing is
     written when the first count is not 0. grad_checked: the caller has counted no
     NaN/Inf in grad, so the read-only pre-check is skipped (a non-finite grad is then
     found while encoding, in the second count, after residual and lanes are written).
-    Every encoder takes it.
+    local: a LocalSGD run in the same pass over grad (implies grad_checked's semantics).
+    Every lane encoder takes both.
     """
-    cdef EncodeJob job = _lane_job(_levels_2bit, grad, residual, lanes, powers, grad_checked)
+    cdef EncodeJob job = _lane_job(_levels_2bit, grad, residual, lanes, powers,
+                                   grad_checked, local)
     job.args.scale = threshold
     return _run(&job, num_threads)

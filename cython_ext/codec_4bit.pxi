@@ -53,7 +53,7 @@ cdef Py_ssize_t _levels_4bit(const float* g, float* r, float* q, Py_ssize_t cnt,
 def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, const float[::1] thresholds,
                 const int[::1] units, int unit, int offset, int num_threads,
-                bint grad_checked=False):
+                bint grad_checked=False, LocalSGD local=None):
     """4bit: returns (counts as encode_2bit, sum |g|).
 
     thresholds ascending, thresholds[k] = float32(0.01 * units[k+1]) (the decoded
@@ -66,7 +66,8 @@ def encode_4bit(const float[::1] grad, float[::1] residual, double[::1] lanes,
         raise ValueError("encode_4bit: unit must be >= 1 and divide every unit")
     if units[0] != 0 or min(units) < 0 or max(units) // unit > offset:
         raise ValueError("encode_4bit: units must start at 0 and stay in 0..offset*unit")
-    cdef EncodeJob job = _lane_job(_levels_4bit, grad, residual, lanes, powers, grad_checked)
+    cdef EncodeJob job = _lane_job(_levels_4bit, grad, residual, lanes, powers,
+                                   grad_checked, local)
     job.args.table = &thresholds[0]
     job.args.units = &units[0]
     job.args.unit = unit

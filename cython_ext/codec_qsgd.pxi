@@ -103,10 +103,11 @@ cdef Py_ssize_t _levels_qsgd(const float* g, float* r, float* q, Py_ssize_t cnt,
 def encode_qsgd(const float[::1] grad, float[::1] residual, double[::1] lanes,
                 const uint64_t[::1] powers, const float[::1] norms, int levels,
                 Py_ssize_t bucket, uint64_t seed, int num_threads, bint grad_checked=False,
-                bint clip_only=False):
+                bint clip_only=False, LocalSGD local=None):
     """qsgd: returns (counts as encode_2bit, statistics rows: QSGD_PARTIALS partial sums of
     c^2 per bucket, the chunk's buckets in order)."""
-    cdef EncodeJob job = _lane_job(_levels_qsgd, grad, residual, lanes, powers, grad_checked)
+    cdef EncodeJob job = _lane_job(_levels_qsgd, grad, residual, lanes, powers,
+                                   grad_checked, local)
     if levels < 1:
         raise ValueError("levels must be >= 1, got %d" % levels)
     if bucket < 1 or (CHUNK_LANES * job.k) % bucket:

@@ -38,10 +38,10 @@ cdef Py_ssize_t _levels_terngrad(const float* g, float* r, float* q, Py_ssize_t 
 
 def encode_terngrad(const float[::1] grad, float[::1] residual, double[::1] lanes,
                     const uint64_t[::1] powers, float scale, uint64_t seed, int num_threads,
-                    bint grad_checked=False, bint clip_only=False):
+                    bint grad_checked=False, bint clip_only=False, LocalSGD local=None):
     """terngrad: returns (counts as encode_2bit, statistics rows (max |c|, sum c, sum c^2))."""
     cdef EncodeJob job = _lane_job(_levels_terngrad, grad, residual, lanes, powers,
-                                   grad_checked)
+                                   grad_checked, local)
     job.args.scale = scale
     job.args.seed = seed
     job.args.clip_only = clip_only

@@ -126,10 +126,11 @@ cdef Py_ssize_t _levels_thc(const float* g, float* r, float* q, Py_ssize_t cnt,
 
 def encode_thc(const float[::1] grad, float[::1] residual, double[::1] lanes,
                const uint64_t[::1] powers, const float[::1] grid, int levels, uint64_t seed,
-               int num_threads, bint grad_checked=False):
+               int num_threads, bint grad_checked=False, LocalSGD local=None):
     """thc: grid = (M, inv, step) float32; returns (counts as encode_2bit, statistics rows:
     max |c| per chunk)."""
-    cdef EncodeJob job = _lane_job(_levels_thc, grad, residual, lanes, powers, grad_checked)
+    cdef EncodeJob job = _lane_job(_levels_thc, grad, residual, lanes, powers,
+                                   grad_checked, local)
     if grid.shape[0] != 3:
         raise ValueError("grid must hold (M, 1/step, step), got %d values" % grid.shape[0])
     if levels < 2:

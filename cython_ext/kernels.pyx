@@ -178,9 +178,23 @@ ctypedef Py_ssize_t (*levels_fn)(const float* g, float* r, float* q, Py_ssize_t 
                                  double* stat) noexcept nogil
 
 
+cdef struct LocalStep:
+    # The backup's local SGD step run inside the encoder's pass (LocalSGD): out from w,
+    # the gradient being encoded and mom (read, not written), as sgd_step computes it.
+    const float* w
+    const float* mom     # NULL: plain SGD
+    float* out
+    float lr
+    float wd
+    float rescale
+    float momentum
+    float clip
+
+
 cdef struct EncodeJob:
     levels_fn levels     # NULL: the passthrough (codec 'none', float32 lanes)
     LevelArgs args
+    const LocalStep* local  # NULL, or the local update that reads each tile first
     const float* g
     float* r
     void* out
@@ -227,10 +241,14 @@ cdef void _encode_blocks(const EncodeJob* job, Py_ssize_t lo, Py_ssize_t hi,
     # the packing; the chunk's statistics go to its row `stat`.
     cdef Py_ssize_t i0 = lo, i1, start, cnt
     cdef float q[BLOCK * MAX_DIGITS]
+    cdef const LocalStep* loc = job.local
     while i0 < hi:
         i1 = min(i0 + BLOCK, hi)
         start = i0 * job.k
         cnt = min(i1 * job.k, job.n) - start
+        if loc != NULL:  # the tile is in L1 when the levels read it again
+            _sgd_chunk(loc.w, job.g, loc.mom, NULL, loc.out, start, start + cnt, loc.lr,
+                       loc.wd, loc.rescale, loc.momentum, loc.clip, False)
         bad[0] += job.levels(job.g + start, job.r + start, q, cnt, &job.args, start,
                              lo * job.k, stat)
         _pack_block(q, job.pw, <double*>job.out, i0, i1, job.n, job.k)
@@ -310,6 +328,37 @@ cdef tuple _run(EncodeJob* job, int num_threads):
     return bad, bad_comp, stats
 
 
+cdef class LocalSGD:
+    """The backup's local SGD step, fused into a lane encoder's pass over the gradient.
+
+    out <- sgd_step(weight, grad, mom_in=mom, mom_out=None) with the gradient the encoder
+    reads, tile by tile, so the gradient is read from memory once; out comes out bitwise
+    sgd_step's. Pass it as `local` to a lane codec's encode.
+    """
+    cdef LocalStep step
+    cdef readonly Py_ssize_t size
+    cdef readonly object output  # out, for the caller's overlap checks
+    cdef object _inputs  # keeps weight and mom alive while the pointers are in use
+
+    def __init__(self, const float[::1] weight, const float[::1] mom, float[::1] out,
+                 float lr, float wd, float rescale, float momentum, float clip):
+        cdef Py_ssize_t n = weight.shape[0]
+        if out.shape[0] != n or (mom is not None and mom.shape[0] != n):
+            raise ValueError("LocalSGD: weight %d, mom %s and out %d elements differ"
+                             % (n, None if mom is None else mom.shape[0], out.shape[0]))
+        self.size = n
+        self.output = out.base
+        self._inputs = (weight, mom)
+        self.step.w = &weight[0] if n else NULL
+        self.step.mom = &mom[0] if mom is not None and n else NULL
+        self.step.out = &out[0] if n else NULL
+        self.step.lr = lr
+        self.step.wd = wd
+        self.step.rescale = rescale
+        self.step.momentum = momentum
+        self.step.clip = clip
+
+
 cdef EncodeJob _job(levels_fn levels, const float[::1] grad, float[::1] residual, void* out,
                     Py_ssize_t n_out, const uint64_t[::1] powers, bint checked) except *:
     cdef EncodeJob job
@@ -335,14 +384,23 @@ cdef EncodeJob _job(levels_fn levels, const float[::1] grad, float[::1] residual
     job.args.seed = 0
     job.stat_width = 1
     job.checked = checked
+    job.local = NULL
     return job
 
 
 cdef EncodeJob _lane_job(levels_fn levels, const float[::1] grad, float[::1] residual,
-                         double[::1] lanes, const uint64_t[::1] powers, bint checked) except *:
-    """The job of a lane codec's entry point: `levels` over grad, packed into `lanes`."""
-    return _job(levels, grad, residual, &lanes[0] if lanes.shape[0] else NULL, lanes.shape[0],
-                powers, checked)
+                         double[::1] lanes, const uint64_t[::1] powers, bint checked,
+                         LocalSGD local=None) except *:
+    """The job of a lane codec's entry point: `levels` over grad, packed into `lanes`;
+    with `local`, the local update runs in the same pass (no read-only pre-check: a
+    non-finite grad is found while encoding, as with `checked`)."""
+    cdef EncodeJob job = _job(levels, grad, residual, &lanes[0] if lanes.shape[0] else NULL,
+                              lanes.shape[0], powers, checked or local is not None)
+    if local is not None:
+        if local.size != job.n:
+            raise ValueError("the local update has %d elements, grad %d" % (local.size, job.n))
+        job.local = &local.step
+    return job
 
 
 def count_nonfinite(const float[::1] values, int num_threads):

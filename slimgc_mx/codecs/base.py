@@ -206,6 +206,9 @@ class Codec:
     owns_momentum = False
     #: True when encode reads the optimizer's view of the key (set_optimizer_view).
     wants_optimizer = False
+    #: True when encode takes `local` (kernels.LocalSGD): the backup's local SGD step in
+    #: the encoder's pass, so the gradient is read once (lanes.LaneCodec.encode).
+    fuses_local_update = False
 
     def __init__(self, threshold=None, num_threads=None, **options):
         threshold = check_threshold(threshold, self.name)

@@ -68,6 +68,7 @@ class FourBit(LaneCodec):
 
     name = "4bit"
     trailer_lanes = 1
+    fuses_local_update = True
 
     def __init__(self, threshold=None, num_threads=None):
         super().__init__(threshold=threshold, num_threads=num_threads)
@@ -127,11 +128,12 @@ class FourBit(LaneCodec):
                              % (sorted(GROUPS), state.get("group")))
         self.group = int(state["group"])
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         thresholds, units, unit, offset = _KERNEL_ARGS[self.group]
         return self._chunk_order_sum(self._kernel_result(
             kernels().encode_4bit(grad, residual, out, self._powers(radix, k), thresholds,
-                                  units, unit, offset, self.num_threads, grad_checked),
+                                  units, unit, offset, self.num_threads, grad_checked,
+                                  local),
             grad, residual, out))
 
     def device_levels(self, c, nd, const):

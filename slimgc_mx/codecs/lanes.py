@@ -176,7 +176,8 @@ class LaneCodec(Codec):
         return m, _decode_rows(radix, m, float(scale), a, b, num_workers)
 
     # ------------------------------------------------------------ encode / decode
-    def encode(self, grad, residual, num_workers, out=None, grad_checked=False, rank=0):
+    def encode(self, grad, residual, num_workers, out=None, grad_checked=False, rank=0,
+               local=None):
         """Compensate, quantize and pack: returns the lanes; `residual` is updated in place.
 
         grad, residual: 1-D C-contiguous float32 of equal length. NaN/Inf in grad raises
@@ -187,7 +188,13 @@ class LaneCodec(Codec):
         update counts it), so the read-only pass is skipped; a non-finite grad is still
         found, while encoding, after residual and out were written.
         rank: this worker's slot of gathered values.
+        local: a kernels.LocalSGD (codecs that fuses_local_update): the backup's local
+        SGD step runs in the same pass over grad, tile by tile, and writes local.output;
+        grad is then checked as with grad_checked=True.
         """
+        if local is not None and not self.fuses_local_update:
+            raise TypeError("%s cannot run the local update in its encoder; call encode "
+                            "without local" % self.name)
         n_workers = check_num_workers(num_workers)
         radix, k = self.geometry(n_workers)
         check_vector("grad", grad, np.float32)
@@ -198,8 +205,12 @@ class LaneCodec(Codec):
         size = grad.shape[0]
         n_lanes = self.lane_count(size, n_workers)
         out = output(out, n_lanes, self.wire_dtype)
-        check_disjoint(grad=grad, residual=residual, out=out)
-        stat = self._encode_into(grad, residual, out, radix, k, grad_checked)
+        if local is None:
+            check_disjoint(grad=grad, residual=residual, out=out)
+            stat = self._encode_into(grad, residual, out, radix, k, grad_checked)
+        else:
+            check_disjoint(grad=grad, residual=residual, out=out, local_output=local.output)
+            stat = self._encode_into(grad, residual, out, radix, k, grad_checked, local)
         if self.trailer_lanes:
             out[-1] = stat / size if size else 0.0
         t = self.gathered_count(size)
@@ -275,11 +286,12 @@ class LaneCodec(Codec):
         (N, values) array of what every worker gathered."""
 
     # ------------------------------------------------------------ kernels (Cython)
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         """Fill out[:ceil(n/k)], update residual; return the trailer sum (or None).
 
         Raises NonFiniteGradientError when grad holds NaN/Inf (having written nothing,
-        unless grad_checked) or when grad + residual is not finite.
+        unless grad_checked or local) or when grad + residual is not finite. `local` is
+        passed to the kernel (a codec that fuses_local_update).
         """
         raise NotImplementedError
 
@@ -351,6 +363,7 @@ class LaneReference:
     """
 
     is_reference = True
+    fuses_local_update = False
 
     def _levels(self, compensated):
         """int64 level q of each compensated value (grad + residual, float32)."""

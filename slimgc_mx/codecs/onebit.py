@@ -22,6 +22,7 @@ class OneBit(SharedScale, LaneCodec):
     name = "1bit"
     levels = 2
     trailer_lanes = 1
+    fuses_local_update = True
 
     def __init__(self, threshold=None, num_threads=None):
         super().__init__(threshold=threshold, num_threads=num_threads)
@@ -33,10 +34,11 @@ class OneBit(SharedScale, LaneCodec):
     def _agree(self, mean_stat):
         self.scale = float(mean_stat)
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         return self._chunk_order_sum(self._kernel_result(
             kernels().encode_1bit(grad, residual, out, self._powers(radix, k),
-                                  np.float32(self.scale), self.num_threads, grad_checked),
+                                  np.float32(self.scale), self.num_threads, grad_checked,
+                                  local),
             grad, residual, out))
 
     def device_levels(self, c, nd, const):

@@ -46,6 +46,7 @@ class QSGD(LaneCodec):
     name = "qsgd"
     gathered = 1  # per bucket: gathered_count(size) values per worker
     stochastic = True
+    fuses_local_update = True
     options = {
         "levels": Option(int, 4, lambda v: 1 <= v <= 32767,
                          "an integer s in 1..32767 (levels per sign; 2s + 1 levels in all)"),
@@ -112,14 +113,14 @@ class QSGD(LaneCodec):
                              "elements; use a power of two <= %d"
                              % (self.bucket, CHUNK_LANES * k, CHUNK_LANES))
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         self._check_bucket(k)
         n = grad.shape[0]
         rows = self._kernel_result(
             kernels().encode_qsgd(grad, residual, out, self._powers(radix, k),
                                   self._norm_table(n), self.s, self.bucket, self.push_seed(),
                                   self.num_threads, grad_checked,
-                                  not self.option_values["error_feedback"]),
+                                  not self.option_values["error_feedback"], local),
             grad, residual, out)
         nb = self.gathered_count(n)
         return bucket_norms(rows.reshape(-1, PARTIALS)[:nb])

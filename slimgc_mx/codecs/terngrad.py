@@ -38,6 +38,7 @@ class TernGrad(SharedScale, LaneCodec):
     levels = 3
     gathered = 1
     stochastic = True
+    fuses_local_update = True
     options = {
         "clip_sigma": Option(float, 2.5, lambda v: 0 <= v < 1e6 and math.isfinite(v),
                              "a number >= 0 (the paper's 2.5; 0: no clipping)"),
@@ -54,12 +55,12 @@ class TernGrad(SharedScale, LaneCodec):
     def _agree(self, gathered):
         self.scale = float(np.float32(gathered[:, 0].max()))
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         rows = self._kernel_result(
             kernels().encode_terngrad(grad, residual, out, self._powers(radix, k),
                                       np.float32(self.scale), self.push_seed(),
                                       self.num_threads, grad_checked,
-                                      not self.option_values["error_feedback"]),
+                                      not self.option_values["error_feedback"], local),
             grad, residual, out)
         return [_clip_stat(float(rows[:, 0].max()) if rows.size else 0.0,
                            self._chunk_order_sum(rows, 1), self._chunk_order_sum(rows, 2),

@@ -48,6 +48,11 @@ class THC(SharedScale, LaneCodec):
     }
     scale_rule = "a float32 value in [0, 3.4e38]"
 
+    @property
+    def fuses_local_update(self):
+        """Without the rotation, whose own pass reads the gradient first."""
+        return not self.hadamard
+
     @staticmethod
     def _valid_scale(scale):
         return 0 <= scale <= FLT_MAX and scale == float(np.float32(scale))
@@ -107,18 +112,18 @@ class THC(SharedScale, LaneCodec):
         return np.float32(1.0 / np.sqrt(p)) if p else np.float32(1)
 
     # ------------------------------------------------------------ kernels
-    def _levels_into(self, c, residual, out, radix, k, grad_checked):
+    def _levels_into(self, c, residual, out, radix, k, grad_checked, local=None):
         """Levels of c into out (residual: c's own memory, or zeros); returns [max |c|]."""
         rows = self._kernel_result(
             kernels().encode_thc(c, residual, out, self._powers(radix, k), self._grid(),
                                  self.levels, self.push_seed(), self.num_threads,
-                                 grad_checked),
+                                 grad_checked, local),
             c, residual, out)
         return [float(rows[:, 0].max()) if rows.size else 0.0]
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         if not self.hadamard:
-            return self._levels_into(grad, residual, out, radix, k, grad_checked)
+            return self._levels_into(grad, residual, out, radix, k, grad_checked, local)
         n = grad.shape[0]
         p = padded_size(n)
         y = self._scratch("y", p)

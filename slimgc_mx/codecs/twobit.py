@@ -14,14 +14,16 @@ class TwoBit(LaneCodec):
     levels = 3
     takes_threshold = True
     default_threshold = 0.5
+    fuses_local_update = True
 
     def _affine(self):
         return float(np.float32(self._threshold)), 1, -1
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         return self._kernel_result(
             kernels().encode_2bit(grad, residual, out, self._powers(radix, k),
-                                  np.float32(self._threshold), self.num_threads, grad_checked),
+                                  np.float32(self._threshold), self.num_threads, grad_checked,
+                                  local),
             grad, residual, out)
 
     def device_levels(self, c, nd, const):

@@ -1,0 +1,103 @@
+"""The push side in one pass: a lane codec's encode with the backup's local SGD step fused in.
+
+The oracle is what the pipeline did before fusing: sgd_step (momentum read, not written)
+then encode of the same gradient. Every result must be bitwise the same.
+"""
+import numpy as np
+import pytest
+
+import training_helpers as th
+from slimgc_mx import codecs
+from slimgc_mx.aggregator import Aggregator
+from slimgc_mx.codecs.base import NonFiniteGradientError, kernels
+
+FUSED = [("1bit", {}), ("2bit", {}), ("4bit", {}), ("terngrad", {}), ("qsgd", {}),
+         ("thc", {})]
+
+
+def _arrays(n, seed=3):
+    rng = np.random.RandomState(seed)
+    g, w, m = (rng.randn(n).astype(np.float32) for _ in range(3))
+    residual = (rng.randn(n) * 0.1).astype(np.float32)
+    return g, w, m, residual
+
+
+@pytest.mark.parametrize("name, options", FUSED)
+@pytest.mark.parametrize("momentum, clip", [(0.9, -1.0), (0.0, -1.0), (0.9, 0.3)])
+def test_encode_with_local_is_bitwise_sgd_step_then_encode(name, options, momentum, clip):
+    n, workers = 150001, 3  # several chunks, the last one partial
+    g, w, m, residual = _arrays(n)
+    lr, wd, rescale = 0.05, 1e-3, 1.0 / 48
+    mom = m if momentum else None
+    for step in range(2):  # the second push encodes with the state agreed by the first
+        ref, fused = (codecs.create(name, num_threads=t, **options) for t in (1, 2))
+        for c in (ref, fused):
+            c.seed = 11
+        expected_out = np.empty(n, np.float32)
+        kernels().sgd_step(w, g, mom, None, expected_out, lr, wd, rescale, momentum, clip, 1)
+        r1, r2 = residual.copy(), residual.copy()
+        for _ in range(step + 1):
+            lanes1 = ref.encode(g, r1, workers, rank=1)
+            out = np.full(n, np.nan, np.float32)
+            local = kernels().LocalSGD(w, mom, out, lr, wd, rescale, momentum, clip)
+            lanes2 = fused.encode(g, r2, workers, rank=1, local=local)
+            np.testing.assert_array_equal(lanes2, lanes1)
+            np.testing.assert_array_equal(r2, r1)
+            np.testing.assert_array_equal(out, expected_out)
+            total = lanes1 * workers if ref.gathered == 0 else lanes1
+            ref.decode(total, n, workers)
+            fused.decode(total, n, workers)
+
+
+def test_a_non_finite_gradient_is_found_in_the_fused_pass():
+    n = 5000
+    g, w, m, residual = _arrays(n)
+    g[4321] = np.inf
+    out = np.zeros(n, np.float32)
+    codec = codecs.create("2bit")
+    with pytest.raises(NonFiniteGradientError, match=r"grad\[4321\]"):
+        codec.encode(g, residual, 2, local=kernels().LocalSGD(w, m, out, 0.1, 0, 1, 0.9, -1))
+    assert np.isinf(out[4321])  # the same pass wrote the local update: no second read
+
+
+def test_fused_encode_refuses_what_it_cannot_do():
+    n = 100
+    g, w, m, residual = _arrays(n)
+    local = kernels().LocalSGD(w, m, np.zeros(n, np.float32), 0.1, 0, 1, 0.9, -1)
+    with pytest.raises(TypeError, match="cannot run the local update"):
+        codecs.create("2bit", reference=True).encode(g, residual, 2, local=local)
+    with pytest.raises(TypeError, match="cannot run the local update"):
+        codecs.create("thc", hadamard=True).encode(g, residual, 2, local=local)
+    with pytest.raises(ValueError, match="local update has 100 elements, grad 99"):
+        codecs.create("2bit").encode(g[:99], residual[:99], 2, local=local)
+    with pytest.raises(ValueError, match="must not overlap"):
+        codecs.create("2bit").encode(g, residual, 2, local=kernels().LocalSGD(
+            w, m, residual, 0.1, 0, 1, 0.9, -1))
+    with pytest.raises(ValueError, match="elements differ"):
+        kernels().LocalSGD(w, m[:5], np.zeros(n, np.float32), 0.1, 0, 1, 0.9, -1)
+
+
+@pytest.mark.parametrize("name, options", [("2bit", {}), ("4bit", {}), ("qsgd", {})])
+def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, name, options):
+    """Two workers with backup: the local update encoding in its pass gives the weights of
+    the local update and the encoder thread run one after the other."""
+    encoders = []
+    original = Aggregator._fused_encoder
+
+    def counted(self, transfer):
+        encoder = original(self, transfer)
+        encoders.append(encoder is not None)
+        return encoder
+
+    monkeypatch.setattr(Aggregator, "_fused_encoder", counted)
+    run = dict(compressor=name, codec_options=options, threshold=0.01, comm_threshold=256,
+               warmup_steps=2)
+    fused = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(12), **run)
+    assert sum(encoders) > 0  # the 32x12 weight went compressed, encoded by the local update
+    monkeypatch.setattr(Aggregator, "_fused_encoder", lambda self, transfer: None)
+    separate = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(12), **run)
+    for (w_fused, _), (w_separate, s) in zip(fused, separate):
+        assert s["compressed_transfers"] > 0
+        for a, b in zip(w_fused, w_separate):
+            np.testing.assert_array_equal(a, b)
+
