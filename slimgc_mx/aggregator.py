@@ -17,7 +17,7 @@ import numpy as np
 
 from . import agreement, codecs, lanes32
 from .backup import ModelBackup
-from .grad_buf import GradCheck, Push
+from .grad_buf import FusedEncode, GradCheck, Push
 from .pipeline import Pipeline, TransferStats, mark_nonfinite
 from .planner import Planner
 from .threshold import CTTab, NEVER
@@ -168,28 +168,44 @@ class Aggregator:
         copy_array(grad, b.grad_buf.nd)
         push = Push(key, b, step, local=self.config.backup and outs is not None,
                     priority=priority)
-        if push.local:
-            self.params_local = True
-            if self.planner.checks_in_local_update(b, step):
-                push.check = GradCheck()
-            start = time.perf_counter()
-            self.backup.local_step(key, step, b.grad_buf, outs,
-                                   partial(self.local_updater(), b.index, check=push.check))
-            if self.trace is not None:
-                self.trace.span("local update", start, time.perf_counter(),
-                                key=self.name_of(key), step=step)
         settings = self.update.settings(b.index)
+        transfer = None
         if bucket is None:
+            if (push.local and self.local_updater().fused
+                    and self.planner.checks_in_local_update(b, step)):
+                push.check = GradCheck()
             transfer = self.planner.transfer(push, settings, self.update.decodes_in_update)
             if transfer.compressed and b.codec.wants_optimizer:
                 b.codec.set_optimizer_view(self.update.codec_view(
                     b.index, self.backup.glo_buffer(key), settings))
+        if push.local:
+            self.params_local = True
+            start = time.perf_counter()
+            self.backup.local_step(key, step, b.grad_buf, outs,
+                                   partial(self.local_updater(), b.index, check=push.check,
+                                           encoder=self._fused_encoder(transfer)))
+            if self.trace is not None:
+                self.trace.span("local update", start, time.perf_counter(),
+                                key=self.name_of(key), step=step)
+        if transfer is not None:
             self._submit(transfer, grad)
         elif bucket.add(push, settings):
             self._submit(bucket.take(self.name_of))
         self.planner.steps[key] = step + 1
         if not self.config.backup and outs is not None:
             self.backup.write_back(key, step + 1, outs)
+
+    def _fused_encoder(self, transfer):
+        """The FusedEncode that lets the local update encode `transfer`'s bit_buf in its pass
+        over grad_buf, or None (a full-precision or fused-bucket push, no kernel local update,
+        a codec without the fused kernel, or one that reads the optimizer while encoding)."""
+        if transfer is None or transfer.check is None:
+            return None
+        codec = transfer.buffers.codec
+        if not codec.fuses_local_update or codec.wants_optimizer:
+            return None
+        return FusedEncode(transfer.buffers, transfer.exchange.send, self.num_workers,
+                           self.transport.rank, transfer.check)
 
     def _push_sum(self, key, b, step, grads, priority):
         """No optimizer: the sum over contexts and workers becomes the key's value."""

@@ -12,11 +12,13 @@ one per push (`codec.wire_class`); their buffers share the memory of the largest
 With float32 lanes (lanes32.py) a float64 sum round also holds the float32 arrays that
 actually travel: `wire_send` and `wire_recv`.
 """
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from .codecs import NonFiniteGradientError
 from .lanes32 import Lanes32Layout, uses_float64_lanes
 
 
@@ -139,13 +141,55 @@ class GradCheck:
     grad_buf a second time (its pre-check is a full pass over the gradient).
 
     `ready`: the array the local update writes; `nonfinite` is set before it is readable.
+    When the local update also encoded bit_buf (FusedEncode), `encoded` is True,
+    `seconds` its time and `nonfinite` 1 if the encoder refused the gradient; `error`
+    holds any other exception of that operator.
     """
 
-    __slots__ = ("ready", "nonfinite")
+    __slots__ = ("ready", "nonfinite", "encoded", "seconds", "error")
 
     def __init__(self):
         self.ready = None
         self.nonfinite = None
+        self.encoded = False
+        self.seconds = 0.0
+        self.error = None
+
+
+class FusedEncode:
+    """bit_buf of one push encoded inside its local update: the codec's encode with the
+    local SGD step in the same pass (Codec.fuses_local_update), so grad_buf is read once."""
+
+    def __init__(self, buffers, send, num_workers, rank, check):
+        self.buffers = buffers
+        self.send = send  # the round's bit_buf (a Buffer)
+        self.num_workers = num_workers
+        self.rank = rank
+        self.check = check
+
+    @property
+    def writes(self):
+        """The Buffers the encoding writes besides the local update's output."""
+        return [self.buffers.residual, self.send]
+
+    def __call__(self, grad, local):
+        """Encode `grad` (a NumPy view the caller holds) with `local` (kernels.LocalSGD).
+
+        Runs where the caller holds every buffer (an engine operator): nothing here waits.
+        """
+        b, check = self.buffers, self.check
+        start = time.perf_counter()
+        try:
+            b.codec.encode(grad, b.residual.held(), self.num_workers, out=self.send.held(),
+                           rank=self.rank, local=local)
+            check.nonfinite = 0
+        except NonFiniteGradientError:
+            check.nonfinite = 1
+        except BaseException as exc:
+            check.error = exc
+            raise
+        check.seconds = time.perf_counter() - start
+        check.encoded = True
 
 
 @dataclass

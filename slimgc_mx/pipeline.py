@@ -3,7 +3,8 @@
 Three threads, each a FIFO stage, so that one key's encoding overlaps another
 key's transfer and a third key's decoding:
 
-    encoder       wait for grad_buf, encode bit_buf with the codec (no GIL held)
+    encoder       wait for grad_buf, encode bit_buf with the codec (no GIL held), unless
+                  the local update has encoded it in its own pass (grad_buf.FusedEncode)
     communicator  push + pull on the transport (MXNet's engine sends asynchronously)
     finisher      wait for the sum, decode it into the aggregate, hand it to `finish`
                   (or, for a transfer marked decode_in_update, leave decoding to `finish`)
@@ -226,6 +227,15 @@ class Pipeline:
             t.exchange.send.for_read()  # encoded on the training thread
             self._split(t)
             t.t_proc += time.perf_counter() - t0
+        elif t.check is not None and t.check.encoded:  # by the local update (FusedEncode)
+            b.residual_pending = True
+            t.t_proc += t.check.seconds
+            if t.check.nonfinite:
+                mark_nonfinite(t.exchange.send.for_write(), self.transport.rank)
+                t.nonfinite = True
+            self._split(t)
+        elif t.check is not None and t.check.error is not None:
+            raise t.check.error
         else:
             grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
                                      t.exchange.send.for_write())

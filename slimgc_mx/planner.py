@@ -268,7 +268,6 @@ class Planner:
         b = push.buffers
         compressed = compress and self.compressed(b, push.step)
         serial = self.cttab.phase == "warmup"
-        check = push.check if push.check is not None and push.check.ready is not None else None
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
         # sum tile by tile inside its update: the aggregate never goes to memory.
         decode_in_update = (compressed and not serial and settings is not None
@@ -279,7 +278,7 @@ class Planner:
             else (0,)
         return Transfer(b, push.step, [push], settings, self.label(push.key), compressed,
                         priority=push.priority, serial=serial,
-                        decode_in_update=decode_in_update, check=check, plan=plan,
+                        decode_in_update=decode_in_update, check=push.check, plan=plan,
                         wire_class=b.codec.wire_class if compressed else 0)
 
     # -- fused buckets ---------------------------------------------------------------------

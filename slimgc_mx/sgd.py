@@ -82,26 +82,32 @@ class SGDKernel:
                                   mom.for_write() if mom is not None else None, lr, wd,
                                   opt.rescale_grad, opt.momentum, _clip(opt), self.num_threads)
 
-    def local_step(self, opt, index, grad, weight, out, engine=None, check=None):
+    def local_step(self, opt, index, grad, weight, out, engine=None, check=None, encoder=None):
         """out <- one step of `opt`'s settings from `weight`, reading the global momentum.
 
         Neither `weight` nor the momentum is written: the local update of the backup.
         With `engine` (an EngineNotifier) the pass runs as an operator once `grad` is
         ready, so the calling thread does not wait for backward; without, it runs here.
-        `check` (a pipeline.GradCheck) gets the count of NaN/Inf in `grad`, set before
-        `out` is readable, and `out.nd` as the array to wait for.
+        `check` (a grad_buf.GradCheck) gets the count of NaN/Inf in `grad`, set before
+        `out` is readable, and `out.nd` as the array to wait for. `encoder` (a
+        grad_buf.FusedEncode) encodes `grad` in the same pass, filling `check`.
         """
         (lr, wd), = _count(opt, [index])
         rescale, momentum, clip = opt.rescale_grad, opt.momentum, _clip(opt)
         mom = self.momentum(index, weight.nd.shape)
         reads = [grad, weight] + ([mom] if mom is not None else [])
+        writes = [out] + (encoder.writes if encoder is not None else [])
         if check is not None:
             check.ready = out.nd
 
         def run():
-            bad = kernels().sgd_step(weight.held(), grad.held(),
-                                     mom.held() if mom is not None else None, None, out.held(),
-                                     lr, wd, rescale, momentum, clip, self.num_threads,
+            m = mom.held() if mom is not None else None
+            if encoder is not None:
+                encoder(grad.held(), kernels().LocalSGD(weight.held(), m, out.held(), lr, wd,
+                                                        rescale, momentum, clip))
+                return
+            bad = kernels().sgd_step(weight.held(), grad.held(), m, None, out.held(), lr, wd,
+                                     rescale, momentum, clip, self.num_threads,
                                      check is not None)
             if check is not None:
                 check.nonfinite = bad
@@ -109,10 +115,11 @@ class SGDKernel:
         if engine is None:
             for buf in reads:
                 buf.for_read()
-            out.for_write()
+            for buf in writes:
+                buf.for_write()
             run()
         else:
-            engine.run(run, [buf.nd for buf in reads], [out.nd])
+            engine.run(run, [buf.nd for buf in reads], [buf.nd for buf in writes])
 
 
 def _count(opt, indices):

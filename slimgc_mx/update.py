@@ -387,11 +387,14 @@ class LocalUpdater:
         """True when the update runs as the SGD kernel."""
         return self._kernel is not None
 
-    def __call__(self, index, grad, glo, out, check=None):
+    def __call__(self, index, grad, glo, out, check=None, encoder=None):
         """out <- glo after one local step with `grad` (all Buffers; glo is not written).
 
-        `check` (a grad_buf.GradCheck) is filled when the SGD kernel runs the step.
+        `check` (a grad_buf.GradCheck) is filled when the SGD kernel runs the step;
+        `encoder` (a grad_buf.FusedEncode) runs in that pass and needs the kernel.
         """
+        if encoder is not None and not self.fused:
+            raise ValueError("the local update encodes only as the SGD kernel")
         opt = self.optimizer
         opt.lr = self._loc_lr if self._loc_lr is not None else self._global.lr
         opt.rescale_grad = self._global.rescale_grad * self._num_workers
@@ -401,7 +404,8 @@ class LocalUpdater:
             opt._index_update_count[index] = glo_opt._index_update_count.get(
                 index, glo_opt.begin_num_update)
             if self._kernel is not None:
-                self._kernel.local_step(opt, index, grad, glo, out, self._engine, check)
+                self._kernel.local_step(opt, index, grad, glo, out, self._engine, check,
+                                        encoder)
                 return
             if index in source.states:
                 self._updater.states[index] = _copy_state(source.states[index])

@@ -8,11 +8,15 @@ from slimgc_mx.bench import passes
 
 
 def test_the_passes_of_a_compressed_tensor_add_up():
-    c = passes.compressed_passes(wire_bits=8.0)
+    c = passes.compressed_passes(wire_bits=8.0, fused_encode=False)
     assert [p.name.split(" ")[0] for p in c] == ["gradient", "local", "loc_buf", "encode",
                                                  "decode"]
     # 8 + 16 + 8 + (12 + 1) + (1 + 16): above the floor of 24 + 1 + 16 + 1
     assert sum(p.total for p in c) == pytest.approx(62.0)
+    # The local update encoding in its pass reads grad_buf once: 4 bytes fewer.
+    fused = passes.compressed_passes(wire_bits=8.0)
+    assert [p.name.split(" ")[0] for p in fused] == ["gradient", "local", "loc_buf", "decode"]
+    assert sum(p.total for p in fused) == pytest.approx(58.0)
     assert passes.floor_bytes(8.0) == pytest.approx(42.0)
     assert passes.no_comm_bytes() == 20.0
     off = passes.compressed_passes(wire_bits=8.0, backup=False, fused_decode=False)
@@ -29,7 +33,13 @@ def test_the_threshold_splits_the_model():
     per_c = sum(p["total"] for p in r["compressed_passes"])
     per_f = sum(p["total"] for p in r["full_precision_passes"])
     assert r["bytes_per_step"] == pytest.approx(51_000 * per_c + 10 * per_f)
+    assert r["encode_in_local_update"] is True
     assert not passes.plan(sizes, codecs.create("qsgd"), 2, 0)["decode_in_update"]
+    for name, options in (("thc", {"hadamard": True}), ("topk", {})):
+        assert not passes.plan(sizes, codecs.create(name, **options), 2,
+                               0)["encode_in_local_update"]
+    assert not passes.plan(sizes, codecs.create("2bit"), 2, 0,
+                           backup=False)["encode_in_local_update"]
 
 
 def test_cli_reports_a_model(tmp_path, capsys):

@@ -346,22 +346,30 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
         assert np.isfinite(after).all()
 
 
-def test_backup_local_update_checks_the_gradient_for_the_encoder():
-    """With backup and MXNet's SGD the local update counts NaN/Inf in grad_buf: the encoder
-    skips its own pass, and a NaN still fails every worker with the residual untouched."""
+@pytest.mark.parametrize("name, options", [("2bit", {}), ("thc", {"hadamard": True})])
+def test_backup_local_update_checks_the_gradient_for_the_encoder(name, options):
+    """With backup and MXNet's SGD the local update reads grad_buf for the encoder: 2bit
+    encodes in the local update's own pass (local=LocalSGD), thc with its rotation gets the
+    local update's count of NaN/Inf and skips its pre-check. A NaN fails every worker
+    without updating the weights; the fused pass has written the residual of that step
+    (NaN where the gradient was), the separate encoder never ran."""
     from slimgc_mx.pipeline import NonFiniteAggregateError
 
     size = 3000
+    fused = name == "2bit"
 
     def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
-                    backup=True, timeout=30)
+        kv = SlimGC(transport=transport, compressor=name, comm_threshold="off",
+                    backup=True, timeout=30, codec_options=options)
         kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
         w = mx.nd.ones(size)
         kv.broadcast(0, w, out=w)
         b = kv._agg.planner.keys[0]
+        assert b.codec.fuses_local_update == fused
         checked, encode = [], b.codec.encode
-        b.codec.encode = lambda *a, **k: (checked.append(k.get("grad_checked")), encode(*a, **k))[1]
+        b.codec.encode = lambda *a, **k: (
+            checked.append(k.get("local") is not None if fused else k.get("grad_checked")),
+            encode(*a, **k))[1]
         grad = np.linspace(-1, 1, size).astype(np.float32) * (rank + 1)
         kv.pushpull(0, mx.nd.array(grad), out=w)
         kv.pushpull(0, mx.nd.array(grad), out=w)
@@ -378,12 +386,17 @@ def test_backup_local_update_checks_the_gradient_for_the_encoder():
         return checked, info.value, residual, glo, after
 
     for rank, (checked, err, residual, glo, after) in enumerate(th.in_threads(2, worker)):
-        # Every encode skipped the pre-check; rank 1's NaN step never reached encode.
-        assert checked == [True] * (2 if rank == 1 else 3), checked
+        # Every encode was fused / skipped the pre-check; with the separate encoder rank 1's
+        # NaN step never reached encode.
+        assert checked == [True] * (2 if rank == 1 and not fused else 3), checked
         assert isinstance(err.__cause__, NonFiniteAggregateError)
         assert ("own gradient did" if rank == 1 else "own gradient was finite") in str(err)
-        if rank == 1:  # its residual is untouched; rank 0 encoded its finite gradient
+        if rank == 1 and fused:
+            assert not np.isfinite(after[0][7]) and np.isfinite(np.delete(after[0], 7)).all()
+        elif rank == 1:
             np.testing.assert_array_equal(after[0], residual)
+        else:  # rank 0 encoded its finite gradient
+            assert np.isfinite(after[0]).all() and not np.array_equal(after[0], residual)
         np.testing.assert_array_equal(after[1], glo)
 
 

@@ -5,8 +5,9 @@ model's weights in one step of full SlimGC (the gradient copy, the local update 
 write into the parameters, the NaN pre-check, the encode, the decode and the global
 update) with the bytes each reads and writes per element, from the same decisions the
 kvstore makes: which tensors the threshold compresses (`--comm-threshold`), whether the
-local update counts NaN/Inf so the encoder skips its own check
-(Planner.checks_in_local_update), and whether the SGD kernel decodes the lanes inside
+local update encodes in its own pass (Codec.fuses_local_update) or counts NaN/Inf so the
+encoder skips its own check (Planner.checks_in_local_update), and whether the SGD kernel
+decodes the lanes inside
 its update (GlobalUpdate.decodes_in_update: MXNet's SGD and a codec that decodes by
 table). The floor is what a step must touch at least (read the gradient, the residual
 and glo_buf, write the lanes and the parameters; on the aggregation side the lanes,
@@ -38,18 +39,25 @@ class Pass:
         return self.read + self.write
 
 
-def compressed_passes(wire_bits, backup=True, momentum=True, fused_decode=True):
-    """The passes of a compressed tensor after warm-up, in pipeline order."""
+def compressed_passes(wire_bits, backup=True, momentum=True, fused_decode=True,
+                      fused_encode=True):
+    """The passes of a compressed tensor after warm-up, in pipeline order. fused_encode:
+    with backup, the codec encodes inside the local update's pass (fuses_local_update)."""
     lanes = wire_bits / 8.0
     state = 4.0 if momentum else 0.0  # the momentum, read and written by an update
     out = [Pass("gradient into grad_buf", "aggregator.push (copy_array)", 4, 4)]
-    if backup:
+    if backup and fused_encode:
+        out += [Pass("local update + encode, one pass", "grad_buf.FusedEncode (SGD kernel)",
+                     12 + state, 8 + lanes),
+                Pass("loc_buf into the parameters", "backup.local_step", 4, 4)]
+    elif backup:
         out += [Pass("local update (counts NaN/Inf)", "update.LocalUpdater (SGD kernel)",
-                     12 if momentum else 8, 4),
+                     8 + state, 4),
                 Pass("loc_buf into the parameters", "backup.local_step", 4, 4)]
     else:
         out += [Pass("NaN/Inf pre-check", "codec.encode (read-only pass)", 4, 0)]
-    out += [Pass("encode (error feedback, levels, lanes)", "codec.encode", 8, 4 + lanes)]
+    if not (backup and fused_encode):
+        out += [Pass("encode (error feedback, levels, lanes)", "codec.encode", 8, 4 + lanes)]
     if fused_decode:
         out += [Pass("decode inside the global update", "update.GlobalUpdate (SGD kernel)",
                      lanes + 4 + state, 4 + state)]
@@ -93,15 +101,17 @@ def plan(sizes, codec, num_workers, comm_threshold, backup=True, momentum=True):
     """The report of a model whose tensors hold `sizes` elements under `codec`."""
     bits = codec.wire_bits_per_element(num_workers)
     fused = codec.decodes_by_table  # with MXNet's SGD, the only optimizer this plan models
+    encode_fused = backup and codec.fuses_local_update and not codec.wants_optimizer
     comp = [n for n in sizes if 4 * n >= comm_threshold]
     full = [n for n in sizes if 4 * n < comm_threshold]
-    c_passes = compressed_passes(bits, backup, momentum, fused)
+    c_passes = compressed_passes(bits, backup, momentum, fused, encode_fused)
     f_passes = full_precision_passes(backup, momentum)
     total = sum(sizes)
     bytes_step = sum(comp) * sum(p.total for p in c_passes) \
         + sum(full) * sum(p.total for p in f_passes)
     return {"elements": total, "compressed_elements": sum(comp), "wire_bits": bits,
-            "decode_in_update": fused, "backup": backup, "momentum": momentum,
+            "decode_in_update": fused, "encode_in_local_update": encode_fused,
+            "backup": backup, "momentum": momentum,
             "compressed_passes": [dict(asdict(p), total=p.total) for p in c_passes],
             "full_precision_passes": [dict(asdict(p), total=p.total) for p in f_passes],
             "bytes_per_element": bytes_step / total if total else 0.0,
@@ -111,9 +121,10 @@ def plan(sizes, codec, num_workers, comm_threshold, backup=True, momentum=True):
 
 
 def format_report(name, r):
-    lines = ["%s: %.1f M elements, %.1f M compressed (%.2f wire bits per element); decode "
-             "inside the update: %s; backup: %s" % (
+    lines = ["%s: %.1f M elements, %.1f M compressed (%.2f wire bits per element); encode "
+             "inside the local update: %s; decode inside the update: %s; backup: %s" % (
                  name, r["elements"] / 1e6, r["compressed_elements"] / 1e6, r["wire_bits"],
+                 "yes" if r["encode_in_local_update"] else "no",
                  "yes" if r["decode_in_update"] else "no", "on" if r["backup"] else "off"),
              "", "%-40s %-36s %6s %6s %6s" % ("pass over a compressed tensor", "where",
                                               "read", "write", "copies")]
