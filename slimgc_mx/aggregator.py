@@ -22,7 +22,7 @@ from .pipeline import Pipeline, TransferStats, mark_nonfinite
 from .planner import Planner
 from .threshold import CTTab, NEVER
 from .trace import Trace
-from .transport import ArrayOps, Buffer, EngineNotifier, copy_array
+from .transport import ArrayInPlace, ArrayOps, Buffer, EngineNotifier, LayoutError, copy_array
 from .update import GlobalUpdate, LocalUpdater, check_loc_optimizer, optimizer_settings
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,6 @@ class Aggregator:
             self._submit(bucket.take(self.name_of))  # pushed again before the rest of its bucket
         self.backup.wait_version(key, step)  # grad_buf and the residual are free again
         grad = _sum(grads)
-        copy_array(grad, b.grad_buf.nd)
         push = Push(key, b, step, local=self.config.backup and outs is not None,
                     priority=priority)
         settings = self.update.settings(b.index)
@@ -178,12 +177,14 @@ class Aggregator:
             if transfer.compressed and b.codec.wants_optimizer:
                 b.codec.set_optimizer_view(self.update.codec_view(
                     b.index, self.backup.glo_buffer(key), settings))
+        encoder = self._fused_encoder(transfer) if push.local else None
+        source = self._gradient_source(b, grad, encoder is not None)
         if push.local:
             self.params_local = True
             start = time.perf_counter()
-            self.backup.local_step(key, step, b.grad_buf, outs,
+            self.backup.local_step(key, step, source, outs,
                                    partial(self.local_updater(), b.index, check=push.check,
-                                           encoder=self._fused_encoder(transfer)))
+                                           encoder=encoder))
             if self.trace is not None:
                 self.trace.span("local update", start, time.perf_counter(),
                                 key=self.name_of(key), step=step)
@@ -206,6 +207,34 @@ class Aggregator:
             return None
         return FusedEncode(transfer.buffers, transfer.exchange.send, self.num_workers,
                            self.transport.rank, transfer.check)
+
+    def _gradient_source(self, b, grad, fused):
+        """What the push reads the gradient from: on a fused push, MXNet's own array in
+        place once an operator has found it in the default layout (ArrayInPlace; every
+        fused operator checks again), else grad_buf after a copy."""
+        if fused and b.grad_in_place:
+            return ArrayInPlace(grad)
+        if fused and b.grad_in_place is None:
+            self._probe_layout(b, grad)
+        copy_array(grad, b.grad_buf.nd)
+        return b.grad_buf
+
+    def _probe_layout(self, b, grad):
+        """Set b.grad_in_place from an operator that reads `grad` after backward has written
+        it: the layout is known there without waiting, and backward keeps it step to step."""
+        if not ArrayInPlace.supports(grad):
+            b.grad_in_place = False
+            return
+        view = ArrayInPlace(grad)
+
+        def probe():
+            try:
+                view.held()
+                b.grad_in_place = True
+            except LayoutError:
+                b.grad_in_place = False
+
+        self.engine.run(probe, [grad], [])
 
     def _push_sum(self, key, b, step, grads, priority):
         """No optimizer: the sum over contexts and workers becomes the key's value."""
@@ -351,12 +380,16 @@ def report(agg, compressor, pieces):
     cttab_link: how BestCT was read and the link fitted to the warm-up;
     fused_keys / fused_buckets: full-precision keys sent together, in how many
     transfers per step (a bucket counts once in `transfers`); wire_pieces: wire keys
-    of the pieces that large buffers travel as (a transfer counts once).
+    of the pieces that large buffers travel as (a transfer counts once);
+    keys_encoded_in_local_update: keys whose local update has encoded them in its pass,
+    of which keys_gradient_in_place read the gradient where MXNet keeps it (the rest
+    were in MKLDNN's layout and copied into grad_buf).
     """
     cttab = agg.cttab if agg is not None else None
     best = cttab.best_ct if cttab is not None else None
     c = agg.stats if agg is not None else TransferStats()
     fused = agg.planner.fused if agg is not None else None
+    layouts = [b.grad_in_place for b in agg.planner.keys.values()] if agg is not None else []
     return {
         "compressor": compressor,
         "comm_threshold_bytes": None if best in (None, NEVER) else int(best),
@@ -377,6 +410,8 @@ def report(agg, compressor, pieces):
         "fused_keys": len(fused.keys) if fused is not None else 0,
         "fused_buckets": len(fused.buckets) if fused is not None else 0,
         "wire_pieces": pieces,
+        "keys_encoded_in_local_update": sum(v is not None for v in layouts),
+        "keys_gradient_in_place": sum(v is True for v in layouts),
     }
 
 

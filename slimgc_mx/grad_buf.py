@@ -92,6 +92,7 @@ class KeyBuffers:
         self.agg = make_buffer(shape, np.float32)
         self.device = None
         self.residual_pending = False  # the residual may hold error feedback not yet sent
+        self.grad_in_place = None  # fused pushes read the gradient in place (None: not yet known)
         if codec is not None:
             self.residual = make_buffer((codec.memory_size(size),), np.float32)
             self.round_sets = _round_sets(codec.wire_classes(size, self.shape, num_workers),
@@ -173,15 +174,14 @@ class FusedEncode:
         return [self.buffers.residual, self.send]
 
     def __call__(self, grad, local):
-        """Encode `grad` (a NumPy view the caller holds) with `local` (kernels.LocalSGD).
-
-        Runs where the caller holds every buffer (an engine operator): nothing here waits.
-        """
+        """Encode `grad` (grad_buf, or the gradient read in place: its held() view) with
+        `local` (kernels.LocalSGD). Runs where the caller holds every buffer (an engine
+        operator): nothing here waits; any failure is kept in `check` for the encoder."""
         b, check = self.buffers, self.check
         start = time.perf_counter()
         try:
-            b.codec.encode(grad, b.residual.held(), self.num_workers, out=self.send.held(),
-                           rank=self.rank, local=local)
+            b.codec.encode(grad.held(), b.residual.held(), self.num_workers,
+                           out=self.send.held(), rank=self.rank, local=local)
             check.nonfinite = 0
         except NonFiniteGradientError:
             check.nonfinite = 1

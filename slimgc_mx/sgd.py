@@ -90,7 +90,8 @@ class SGDKernel:
         ready, so the calling thread does not wait for backward; without, it runs here.
         `check` (a grad_buf.GradCheck) gets the count of NaN/Inf in `grad`, set before
         `out` is readable, and `out.nd` as the array to wait for. `encoder` (a
-        grad_buf.FusedEncode) encodes `grad` in the same pass, filling `check`.
+        grad_buf.FusedEncode) encodes `grad` in the same pass, filling `check`; `grad` may
+        then be MXNet's own gradient (transport.ArrayInPlace).
         """
         (lr, wd), = _count(opt, [index])
         rescale, momentum, clip = opt.rescale_grad, opt.momentum, _clip(opt)
@@ -103,8 +104,8 @@ class SGDKernel:
         def run():
             m = mom.held() if mom is not None else None
             if encoder is not None:
-                encoder(grad.held(), kernels().LocalSGD(weight.held(), m, out.held(), lr, wd,
-                                                        rescale, momentum, clip))
+                encoder(grad, kernels().LocalSGD(weight.held(), m, out.held(), lr, wd, rescale,
+                                                 momentum, clip))
                 return
             bad = kernels().sgd_step(weight.held(), grad.held(), m, None, out.held(), lr, wd,
                                      rescale, momentum, clip, self.num_threads,

@@ -92,3 +92,22 @@ def test_large_arrays_take_the_copy_operator(monkeypatch):
     copy_array(src, mx.nd.zeros(transport.COPY_OP_MIN_SIZE))
     copy_array(src[:10], mx.nd.zeros(10))
     assert len(calls) == 1 and calls[0][0].size == transport.COPY_OP_MIN_SIZE
+
+
+def test_array_in_place_views_default_layout_and_refuses_mkldnn():
+    """ArrayInPlace.held() is the array's own memory in the default layout, and refuses
+    (LayoutError, no wait, no reorder) an array that MKLDNN has relaid."""
+    from slimgc_mx.transport import ArrayInPlace, LayoutError
+
+    a = mx.nd.array(np.arange(12, dtype=np.float32).reshape(3, 4))
+    held = ArrayInPlace(a).for_read()
+    held[5] = -1.0  # the same memory, not a copy
+    assert a.asnumpy()[1, 1] == -1.0
+    assert not ArrayInPlace.supports(a.astype(np.float64))
+    _, _, params, views = _net_after_inference()
+    relaid = [p for p, v in zip(params, views)
+              if not np.array_equal(v, p.data().asnumpy().ravel())]
+    assert relaid, "no weight changed layout: the test would not test the MKLDNN path"
+    for p in relaid:
+        with pytest.raises(LayoutError, match="MKLDNN's layout"):
+            ArrayInPlace(p.data()).for_read()

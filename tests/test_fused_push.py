@@ -3,13 +3,18 @@
 The oracle is what the pipeline did before fusing: sgd_step (momentum read, not written)
 then encode of the same gradient. Every result must be bitwise the same.
 """
+import mxnet as mx
 import numpy as np
 import pytest
+from mxnet import autograd, gluon
 
+import slimgc_mx
 import training_helpers as th
 from slimgc_mx import codecs
 from slimgc_mx.aggregator import Aggregator
 from slimgc_mx.codecs.base import NonFiniteGradientError, kernels
+from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.transport import ArrayInPlace
 
 FUSED = [("1bit", {}), ("2bit", {}), ("4bit", {}), ("terngrad", {}), ("qsgd", {}),
          ("thc", {})]
@@ -81,19 +86,27 @@ def test_fused_encode_refuses_what_it_cannot_do():
 def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, name, options):
     """Two workers with backup: the local update encoding in its pass gives the weights of
     the local update and the encoder thread run one after the other."""
-    encoders = []
-    original = Aggregator._fused_encoder
+    encoders, sources = [], []
+    original, source_of = Aggregator._fused_encoder, Aggregator._gradient_source
 
     def counted(self, transfer):
         encoder = original(self, transfer)
         encoders.append(encoder is not None)
         return encoder
 
+    def recorded(self, b, grad, fused):
+        source = source_of(self, b, grad, fused)
+        sources.append(type(source))
+        return source
+
     monkeypatch.setattr(Aggregator, "_fused_encoder", counted)
+    monkeypatch.setattr(Aggregator, "_gradient_source", recorded)
     run = dict(compressor=name, codec_options=options, threshold=0.01, comm_threshold=256,
                warmup_steps=2)
     fused = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(12), **run)
     assert sum(encoders) > 0  # the 32x12 weight went compressed, encoded by the local update
+    # Its gradient read where MXNet keeps it, from the push after the layout was probed.
+    assert 0 < sources.count(ArrayInPlace) < sum(encoders)
     monkeypatch.setattr(Aggregator, "_fused_encoder", lambda self, transfer: None)
     separate = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(12), **run)
     for (w_fused, _), (w_separate, s) in zip(fused, separate):
@@ -101,3 +114,61 @@ def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, 
         for a, b in zip(w_fused, w_separate):
             np.testing.assert_array_equal(a, b)
 
+
+
+def _conv_net():
+    with th._INIT_LOCK:
+        mx.random.seed(5)
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Conv2D(8, 3, activation="relu"), gluon.nn.Dense(4))
+        net.initialize(mx.init.Xavier())
+        net.hybridize()
+        net(mx.nd.zeros((1, 3, 6, 6)))
+        mx.nd.waitall()
+    return net
+
+
+def _conv_worker(rank, transport):
+    """Trains with an inference pass after every step (MKLDNN relays the conv weights)."""
+    net = _conv_net()
+    kv = SlimGC(transport=transport, compressor="2bit", threshold=0.01, comm_threshold=256,
+                warmup_steps=2)
+    trainer = gluon.Trainer(net.collect_params(), mx.optimizer.SGD(learning_rate=0.1,
+                                                                   momentum=0.9), kvstore=kv)
+    rng = np.random.RandomState(rank)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    for _ in range(10):
+        x = mx.nd.array(rng.randn(8, 3, 6, 6))
+        y = mx.nd.array(rng.randint(0, 4, 8))
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(8)
+        net(x).wait_to_read()  # not recorded: an inference forward
+    slimgc_mx.flush(trainer)
+    stats = kv.stats()
+    kv.close()
+    return th.weights(net), stats
+
+
+def test_conv_gradients_are_read_in_place_with_the_copy_paths_weights(monkeypatch):
+    """MKLDNN keeps a conv layer's weights in its own layout after an inference pass, but
+    backward writes the gradient in the default layout: it is read in place, and the
+    weights are bitwise those of training with the gradient copied into grad_buf."""
+    sources, source_of = [], Aggregator._gradient_source
+
+    def recorded(self, b, grad, fused):
+        source = source_of(self, b, grad, fused)
+        sources.append((b.shape, type(source)))
+        return source
+
+    monkeypatch.setattr(Aggregator, "_gradient_source", recorded)
+    in_place = th.in_threads(2, _conv_worker)
+    assert ((8, 3, 3, 3), ArrayInPlace) in sources
+    monkeypatch.setattr(Aggregator, "_gradient_source",
+                        lambda self, b, grad, fused: source_of(self, b, grad, False))
+    copied = th.in_threads(2, _conv_worker)
+    for (a_w, stats), (b_w, _) in zip(in_place, copied):
+        assert stats["compressed_transfers"] > 0
+        for a, b in zip(a_w, b_w):
+            np.testing.assert_array_equal(a, b)

@@ -188,6 +188,8 @@ def run_job(argv: List[str]) -> int:
     rec["cttab_link"] = stats.get("cttab_link")
     rec["comm_threshold_bytes"] = stats.get("comm_threshold_bytes")
     rec["comm_threshold_phase"] = stats.get("comm_threshold_phase")
+    for k in ("keys_encoded_in_local_update", "keys_gradient_in_place"):
+        rec[k] = stats.get(k)
     rec["model"] = result.get("model")
     tmp = probe_path + ".tmp"
     with open(tmp, "w") as f:
@@ -384,6 +386,10 @@ def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
     out["cttab_link"] = root.get("cttab_link")
     out["comm_threshold_bytes"] = root.get("comm_threshold_bytes")
     out["comm_threshold_phase"] = root.get("comm_threshold_phase")
+    # per worker: keys encoded in the local update's pass, and of them read in place
+    out["gradient_in_place"] = {p["launch_index"]: [p.get("keys_encoded_in_local_update"),
+                                                    p.get("keys_gradient_in_place")]
+                                for p in probes}
     if opts.mode != "throughput":
         return out
     complete = [p for p in probes if p.get("complete")]

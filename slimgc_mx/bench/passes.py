@@ -3,7 +3,7 @@
 `python -m slimgc_mx.bench passes --model fc` lists every pass the CPU makes over a
 model's weights in one step of full SlimGC (the gradient copy, the local update and its
 write into the parameters, the NaN pre-check, the encode, the decode and the global
-update) with the bytes each reads and writes per element, from the same decisions the
+update, as far as they are separate passes) with the bytes each reads and writes per element, from the same decisions the
 kvstore makes: which tensors the threshold compresses (`--comm-threshold`), whether the
 local update encodes in its own pass (Codec.fuses_local_update) or counts NaN/Inf so the
 encoder skips its own check (Planner.checks_in_local_update), and whether the SGD kernel
@@ -42,10 +42,14 @@ class Pass:
 def compressed_passes(wire_bits, backup=True, momentum=True, fused_decode=True,
                       fused_encode=True):
     """The passes of a compressed tensor after warm-up, in pipeline order. fused_encode:
-    with backup, the codec encodes inside the local update's pass (fuses_local_update)."""
+    with backup, the codec encodes inside the local update's pass (fuses_local_update),
+    which reads MXNet's gradient in place (a gradient in MKLDNN's layout would still be
+    copied into grad_buf first; kv.stats() counts the keys read in place)."""
     lanes = wire_bits / 8.0
     state = 4.0 if momentum else 0.0  # the momentum, read and written by an update
-    out = [Pass("gradient into grad_buf", "aggregator.push (copy_array)", 4, 4)]
+    out = []
+    if not (backup and fused_encode):
+        out += [Pass("gradient into grad_buf", "aggregator.push (copy_array)", 4, 4)]
     if backup and fused_encode:
         out += [Pass("local update + encode, one pass", "grad_buf.FusedEncode (SGD kernel)",
                      12 + state, 8 + lanes),

@@ -4,14 +4,17 @@ A transport moves fixed-shape float arrays ("wire keys") and returns their sum o
 all workers. The pipeline owns the buffers (`Buffer`: a CPU NDArray plus a zero-copy
 NumPy view of it), so codecs write straight into what MXNet sends.
 
-    buffers.py  Buffer and copy_array          engine.py  MXNet's engine: callbacks, holds
-    base.py     Transport, handles, timeouts   keys.py    the owner of every wire key
-    local.py    one worker in this process     threads.py N workers as threads (tests)
+    buffers.py  Buffer, copy_array, ArrayInPlace (a gradient read where MXNet keeps it)
+    engine.py   MXNet's engine: callbacks, CPU work in order, holds
+    base.py     Transport, handles, timeouts
+    keys.py     the owner of every wire key
+    local.py    one worker in this process
+    threads.py  N workers as threads (tests)
     dist.py     MXNet dist_sync (stock servers), the server precision probe, pieces
 """
 from .. import env
 from .base import PiecesHandle, TransferHandle, Transport, TransportTimeout, wait_readable
-from .buffers import ArrayOps, Buffer, copy_array
+from .buffers import ArrayInPlace, ArrayOps, Buffer, LayoutError, copy_array
 from .dist import BIGARRAY_BOUND, DistTransport, ServerPrecisionError, piece_bounds
 from .engine import EngineNotifier, WriteHold
 from .keys import KeyWire, WireKeyError, WireKeys
@@ -26,8 +29,8 @@ def create_transport(timeout=None, piece_bytes=0):
     return LocalTransport()
 
 
-__all__ = ["ArrayOps", "BIGARRAY_BOUND", "Buffer", "DistTransport", "EngineNotifier", "KeyWire",
-           "LocalTransport", "PiecesHandle", "ServerPrecisionError", "ThreadGroup",
+__all__ = ["ArrayInPlace", "ArrayOps", "BIGARRAY_BOUND", "Buffer", "DistTransport",
+           "EngineNotifier", "KeyWire", "LayoutError", "LocalTransport", "PiecesHandle", "ServerPrecisionError", "ThreadGroup",
            "ThreadTransport", "TransferHandle", "Transport", "TransportTimeout", "WireKeyError",
            "WireKeys", "WriteHold", "copy_array", "create_transport", "piece_bounds",
            "wait_readable"]

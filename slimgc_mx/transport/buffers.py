@@ -1,9 +1,11 @@
-"""Buffer: a CPU NDArray and a zero-copy NumPy view of the same memory; copy_array."""
+"""Buffer: a CPU NDArray and a zero-copy NumPy view of the same memory; copy_array;
+ArrayInPlace: an array MXNet owns (a gradient), read in place inside an engine operator."""
 import ctypes
 
 import mxnet as mx
 import numpy as np
-from mxnet.base import _LIB, check_call
+from mxnet.base import _LIB, check_call, py_str
+from mxnet.ndarray.ndarray import DLManagedTensor
 
 from .. import env
 
@@ -102,6 +104,57 @@ def copy_array(src, dst):
         mx.nd.identity(src, out=dst)
     else:
         src.copyto(dst)
+
+
+class LayoutError(RuntimeError):
+    """An array MXNet owns is not in the default layout (MKLDNN's), so it has no plain view."""
+
+
+class ArrayInPlace:
+    """A CPU float32 NDArray that MXNet owns, read where it lies instead of copied.
+
+    `nd` is what engine operators declare; held() exports its memory through DLPack,
+    which neither waits nor reorders: it refuses an array in MKLDNN's layout
+    (LayoutError) where MXNDArrayGetData would reorder and wait (a deadlock inside an
+    operator that holds the array). The view is taken anew at each call: a reorder
+    moves the memory.
+    """
+
+    def __init__(self, nd):
+        self.nd = nd
+        self.size = int(np.prod(nd.shape))
+
+    @staticmethod
+    def supports(nd):
+        """True for a dense float32 CPU array (the only kind read in place)."""
+        return (nd.context.device_type == "cpu" and nd.stype == "default"
+                and np.dtype(nd.dtype) == np.float32)
+
+    def for_read(self):
+        """The flat NumPy view, after the array's pending writes (outside an operator)."""
+        self.nd.wait_to_read()
+        return self.held()
+
+    def held(self):
+        """The flat NumPy view, without waiting: for an operator that declares `nd`."""
+        handle = ctypes.c_void_p()
+        if _LIB.MXNDArrayToDLPack(self.nd.handle, ctypes.byref(handle)) != 0:
+            raise LayoutError("an array of shape %s is in MKLDNN's layout, which cannot be "
+                              "read in place inside MXNet's engine (%s)"
+                              % (tuple(self.nd.shape), py_str(_LIB.MXGetLastError())
+                                 .strip().splitlines()[0]))
+        managed = ctypes.cast(handle, ctypes.POINTER(DLManagedTensor))
+        try:
+            t = managed.contents.dl_tensor
+            size = int(np.prod([t.shape[i] for i in range(t.ndim)]))
+            if (t.ctx.device_type != 1 or t.dtype.type_code != 2 or t.dtype.bits != 32
+                    or t.dtype.lanes != 1 or size != self.size or bool(t.strides)):
+                raise LayoutError("an array of shape %s is not a compact float32 CPU array"
+                                  % (tuple(self.nd.shape),))
+            ptr = ctypes.cast(t.data + t.byte_offset, ctypes.POINTER(ctypes.c_float))
+            return np.ctypeslib.as_array(ptr, shape=(size,)) if size else np.empty(0, np.float32)
+        finally:
+            managed.contents.deleter(managed)
 
 
 class ArrayOps:
