@@ -3,6 +3,8 @@
 The oracle is what the pipeline did before fusing: sgd_step (momentum read, not written)
 then encode of the same gradient. Every result must be bitwise the same.
 """
+import threading
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -172,3 +174,52 @@ def test_conv_gradients_are_read_in_place_with_the_copy_paths_weights(monkeypatc
         assert stats["compressed_transfers"] > 0
         for a, b in zip(a_w, b_w):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
+    """Should a gradient read in place turn up in MKLDNN's layout, the operator refuses it
+    (LayoutError through DLPack) and every worker's next wait raises it: nothing is sent
+    from a relaid array and no weight is updated."""
+    from slimgc_mx.pipeline import PipelineError
+    from slimgc_mx.transport import LayoutError
+
+    size = 3000
+    relaid = []
+
+    def held(self):
+        if relaid:
+            raise LayoutError("an array of shape (%d,) is in MKLDNN's layout" % size)
+        return original(self)
+
+    original = ArrayInPlace.held
+    monkeypatch.setattr(ArrayInPlace, "held", held)
+    both = threading.Barrier(2)
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
+                    backup=True, timeout=30)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        w = mx.nd.ones(size)
+        kv.broadcast(0, w, out=w)
+        grad = mx.nd.array(np.linspace(-1, 1, size) * (rank + 1))
+        for _ in range(4):
+            kv.pushpull(0, grad, out=w)
+        kv._agg.pipeline.wait_idle(30)
+        b = kv._agg.planner.keys[0]
+        glo = kv._agg.backup.glo_buf(0).asnumpy()
+        pushed = kv.stats()["bytes_pushed"]
+        in_place = b.grad_in_place
+        both.wait()  # both workers have read in place before the layout changes
+        relaid.append(rank)
+        kv.pushpull(0, grad, out=w)
+        with pytest.raises(PipelineError) as info:
+            kv.pushpull(0, grad, out=w)
+        after = (kv._agg.backup.glo_buf(0).asnumpy(), kv.stats()["bytes_pushed"])
+        kv.close()
+        return in_place, info.value, glo, pushed, after
+
+    for in_place, err, glo, pushed, (glo_after, pushed_after) in th.in_threads(2, worker):
+        assert in_place is True
+        assert "MKLDNN's layout" in str(err)
+        np.testing.assert_array_equal(glo_after, glo)
+        assert pushed_after == pushed  # the refused step was not sent
