@@ -245,8 +245,9 @@ class Planner:
     def checks_in_local_update(self, b, step):
         """True when the Cython encoder will encode this step of the key after warm-up.
 
-        Then the local update (SGD kernel) counts NaN/Inf in grad_buf as it reads it, and
-        the encoder waits for it and skips its own pass over the gradient (GradCheck).
+        Then the local update (SGD kernel) serves the encoder as it reads the gradient:
+        it encodes bit_buf in its pass (FusedEncode, a codec that fuses_local_update),
+        or counts NaN/Inf so that the encoder skips its own pass (GradCheck).
         """
         return (b.device is None and self.cttab.phase != "warmup"
                 and self.compressed(b, step) and not self._in_compressed_bucket(b))
