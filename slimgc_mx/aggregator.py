@@ -198,7 +198,7 @@ class Aggregator:
 
     def _fused_encoder(self, transfer):
         """The FusedEncode that lets the local update encode `transfer`'s bit_buf in its pass
-        over grad_buf, or None (a full-precision or fused-bucket push, no kernel local update,
+        over the gradient, or None (a full-precision or fused-bucket push, no kernel local update,
         a codec without the fused kernel, or one that reads the optimizer while encoding)."""
         if transfer is None or transfer.check is None:
             return None

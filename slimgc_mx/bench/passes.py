@@ -47,20 +47,18 @@ def compressed_passes(wire_bits, backup=True, momentum=True, fused_decode=True,
     copied into grad_buf first; kv.stats() counts the keys read in place)."""
     lanes = wire_bits / 8.0
     state = 4.0 if momentum else 0.0  # the momentum, read and written by an update
-    out = []
-    if not (backup and fused_encode):
-        out += [Pass("gradient into grad_buf", "aggregator.push (copy_array)", 4, 4)]
     if backup and fused_encode:
-        out += [Pass("local update + encode, one pass", "grad_buf.FusedEncode (SGD kernel)",
-                     12 + state, 8 + lanes),
-                Pass("loc_buf into the parameters", "backup.local_step", 4, 4)]
-    elif backup:
-        out += [Pass("local update (counts NaN/Inf)", "update.LocalUpdater (SGD kernel)",
-                     8 + state, 4),
-                Pass("loc_buf into the parameters", "backup.local_step", 4, 4)]
+        out = [Pass("local update + encode, one pass", "grad_buf.FusedEncode (SGD kernel)",
+                    12 + state, 8 + lanes),
+               Pass("loc_buf into the parameters", "backup.local_step", 4, 4)]
     else:
-        out += [Pass("NaN/Inf pre-check", "codec.encode (read-only pass)", 4, 0)]
-    if not (backup and fused_encode):
+        out = [Pass("gradient into grad_buf", "aggregator.push (copy_array)", 4, 4)]
+        if backup:
+            out += [Pass("local update (counts NaN/Inf)", "update.LocalUpdater (SGD kernel)",
+                         8 + state, 4),
+                    Pass("loc_buf into the parameters", "backup.local_step", 4, 4)]
+        else:
+            out += [Pass("NaN/Inf pre-check", "codec.encode (read-only pass)", 4, 0)]
         out += [Pass("encode (error feedback, levels, lanes)", "codec.encode", 8, 4 + lanes)]
     if fused_decode:
         out += [Pass("decode inside the global update", "update.GlobalUpdate (SGD kernel)",

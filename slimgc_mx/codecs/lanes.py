@@ -205,12 +205,11 @@ class LaneCodec(Codec):
         size = grad.shape[0]
         n_lanes = self.lane_count(size, n_workers)
         out = output(out, n_lanes, self.wire_dtype)
-        if local is None:
-            check_disjoint(grad=grad, residual=residual, out=out)
-            stat = self._encode_into(grad, residual, out, radix, k, grad_checked)
-        else:
-            check_disjoint(grad=grad, residual=residual, out=out, local_output=local.output)
-            stat = self._encode_into(grad, residual, out, radix, k, grad_checked, local)
+        arrays = dict(grad=grad, residual=residual, out=out)
+        if local is not None:
+            arrays["local_output"] = local.output
+        check_disjoint(**arrays)
+        stat = self._encode_into(grad, residual, out, radix, k, grad_checked, local)
         if self.trailer_lanes:
             out[-1] = stat / size if size else 0.0
         t = self.gathered_count(size)
@@ -291,7 +290,7 @@ class LaneCodec(Codec):
 
         Raises NonFiniteGradientError when grad holds NaN/Inf (having written nothing,
         unless grad_checked or local) or when grad + residual is not finite. `local` is
-        passed to the kernel (a codec that fuses_local_update).
+        passed to the kernel by a codec that fuses_local_update; it is None for the rest.
         """
         raise NotImplementedError
 
@@ -383,7 +382,7 @@ class LaneReference:
     def _before_levels(self, compensated):
         """Hook for a codec that transforms the compensated values before levelling."""
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         c = self.feedback.compensate(grad, residual)
         self._before_levels(c)
         if not np.isfinite(c).all():

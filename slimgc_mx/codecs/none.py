@@ -25,7 +25,7 @@ class NoneCodec(LaneCodec):
     def _affine(self):
         return 1.0, 1, 0
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         self._kernel_result(
             kernels().encode_none(grad, residual, out, self.num_threads, grad_checked),
             grad, residual, out)
@@ -41,7 +41,7 @@ class NoneCodec(LaneCodec):
 class NoneReference(NoneCodec):
     is_reference = True
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         c = self.feedback.compensate(grad, residual)
         if not np.isfinite(c).all():
             raise_nonfinite(grad, residual)

@@ -204,7 +204,7 @@ class THCReference(LaneReference, THC):
         t = fwht(v.copy())
         return (signs(self._sign_seed(), p) * (t * self._factor(p)))[:n]
 
-    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False):
+    def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         if not self.hadamard:
             return LaneReference._encode_into(self, grad, residual, out, radix, k)
         c = self.feedback.compensate(grad, residual)
