@@ -537,6 +537,26 @@ cdef Py_ssize_t _dec(const double* lanes, float* out, const float* rows, Py_ssiz
     return bad
 
 
+cdef Py_ssize_t _outside(const double* lanes, Py_ssize_t n) noexcept nogil:
+    # Lanes outside [0, 2**53), NaN included: those the decoder cannot divide exactly.
+    cdef Py_ssize_t i, bad = 0
+    for i in range(n):
+        if not (lanes[i] >= 0 and lanes[i] < 9007199254740992.0):
+            bad += 1
+    return bad
+
+
+def count_lanes_outside(const double[::1] lanes):
+    """The number of lanes outside [0, 2**53) (NaN and +-Inf included): the lanes that
+    decode_lanes and decode_sgd_step cannot decode."""
+    if lanes.shape[0] == 0:
+        return 0
+    cdef Py_ssize_t bad
+    with nogil:
+        bad = _outside(&lanes[0], lanes.shape[0])
+    return bad
+
+
 cdef Py_ssize_t _check_table(str name, const double[::1] lanes, const float[::1] rows,
                              Py_ssize_t n, Py_ssize_t k, Py_ssize_t m) except -1:
     # The sizes the decoder's raw-pointer loops rely on; returns the lanes n elements take.
@@ -687,17 +707,18 @@ cdef void _dec_sgd(const double* lanes, const float* rows, Py_ssize_t lo, Py_ssi
 
 def decode_sgd_step(const double[::1] lanes, const float[::1] rows, Py_ssize_t k, Py_ssize_t m,
                     float[::1] weight, float[::1] mom, float lr, float wd, float rescale,
-                    float momentum, float clip, int num_threads):
+                    float momentum, float clip, int num_threads, bint checked=False):
     """sgd_step in place on weight (and mom) with the gradient that decode_lanes would write.
 
     The gradient goes through a cache-sized tile, never to memory; the weights come out
     bitwise equal to decode_lanes followed by sgd_step. Lanes outside [0, 2**53) raise
-    ValueError before any weight is written.
+    ValueError before any weight is written, unless `checked`: the caller has counted
+    them with count_lanes_outside and found none, so the lanes are read only once here.
     """
     cdef Py_ssize_t n = weight.shape[0]
     cdef uint64_t rm = rows.shape[0] // ROW
     cdef Py_ssize_t n_lanes = _check_table("decode_sgd_step", lanes, rows, n, k, m)
-    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c, i, bad = 0
+    cdef Py_ssize_t n_chunks = _ceil_div(n_lanes, CHUNK_LANES), c, bad = 0
     if mom is not None and mom.shape[0] != n:
         raise ValueError("decode_sgd_step: mom has %d elements, weight %d" % (mom.shape[0], n))
     if n == 0:
@@ -707,10 +728,9 @@ def decode_sgd_step(const double[::1] lanes, const float[::1] rows, Py_ssize_t k
     cdef const float* tb = &rows[0]
     cdef float* w = &weight[0]
     cdef float* mo = &mom[0] if mom is not None else NULL
-    with nogil:
-        for i in range(n_lanes):
-            if not (ln[i] >= 0 and ln[i] < 9007199254740992.0):
-                bad += 1
+    if not checked:
+        with nogil:
+            bad = _outside(ln, n_lanes)
     if bad:
         raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's lanes "
                          "(wrong codec, worker count or corrupted data); no weight was written"

@@ -71,6 +71,7 @@ class Transfer:
     round: int = 0  # the exchange under way: a position in `plan`
     wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
     round_start: Optional[float] = None  # when the exchange under way was started
+    lanes_checked: bool = False  # the sum's digit lanes were found in range (decode_in_update)
 
     def ready_array(self):
         """The NDArray the transfer waits for before it enters (its producer's output)."""
@@ -267,19 +268,26 @@ class Pipeline:
 
     def _join(self, t):
         """float32 lanes: the summed float32 lanes back into the round's float64 sum (a
-        non-finite sum becomes NaN naming the same sender)."""
+        non-finite sum becomes NaN naming the same sender). True when the join has found
+        every digit lane an integer in range, in the pass that joins them."""
         wire = t.exchange.lanes32
         if wire is None:
-            return
+            return False
+        layout = wire.layout
         summed, out = wire.recv.for_read(), t.exchange.recv.for_write()
-        if np.isfinite(summed).all():
-            wire.layout.join(summed, out)
-            return
+        try:
+            if np.isfinite(summed[layout.body32:]).all():
+                layout.join(summed, out)
+                return True
+        except ValueError:  # parts out of range: NaN from a worker, or not this codec's sum
+            if np.isfinite(summed).all():
+                raise
         sender = nonfinite_sender(summed, self.transport.num_workers)
         if sender is None:
             out.fill(np.nan)
         else:
             mark_nonfinite(out, sender)
+        return False
 
     def _communicate(self, t):
         """Start the round's exchange. A serial transfer waits for it, and runs the codec's
@@ -340,13 +348,14 @@ class Pipeline:
         """Check the finished round's result; when the codec has a further round, write its
         payload (next_round) and return True."""
         b, n = t.buffers, self.transport.num_workers
+        joined = False
         if t.compressed:
-            self._join(t)
+            joined = self._join(t)
             received = t.exchange.recv
         else:
             received = b.agg
         values = received.for_read()
-        if not np.isfinite(values).all():
+        if not self._finite(t, values, joined):
             sender = nonfinite_sender(values, n)
             raise NonFiniteAggregateError(
                 "%s, step %d: the gradient summed over workers holds NaN/Inf, sent by %s "
@@ -363,6 +372,20 @@ class Pipeline:
         t.t_proc += time.perf_counter() - t0
         t.round += 1
         return True
+
+
+    def _finite(self, t, values, joined):
+        """True when the round's result holds no NaN/Inf. A sum the SGD kernel decodes is
+        read once for both of its checks: digit lanes in [0, 2**53) (already known when
+        the float32 join validated them) set t.lanes_checked, so that the kernel does not
+        read them again, and only the lanes after them are tested for NaN/Inf."""
+        if t.decode_in_update and t.round + 1 == len(t.plan):
+            body = t.buffers.codec.body_lanes(t.buffers.size, self.transport.num_workers)
+            if joined and t.exchange.lanes32.layout.body64 == body \
+                    or kernels().count_lanes_outside(values[:body]) == 0:
+                t.lanes_checked = True
+                return bool(np.isfinite(values[body:]).all())
+        return bool(np.isfinite(values).all())
 
 
 def _flush_residual(b):

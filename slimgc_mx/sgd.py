@@ -68,11 +68,12 @@ class SGDKernel:
             kernels().sgd_step(w, grad.for_read(), m, m, w, lr, wd, opt.rescale_grad,
                                opt.momentum, _clip(opt), self.num_threads)
 
-    def global_step_decoding(self, index, lanes, table, weight):
+    def global_step_decoding(self, index, lanes, table, weight, checked=False):
         """global_step of one key whose aggregate is decoded from `lanes` on the fly.
 
         table: (k, m, rows) from the codec's decode_table. The weights are bitwise
         those of decode + global_step, without writing the aggregate to memory.
+        checked: the lanes were found in range (kernels.count_lanes_outside) by the caller.
         """
         opt = self.updater.optimizer
         (lr, wd), = _count(opt, [index])
@@ -80,7 +81,8 @@ class SGDKernel:
         k, m, rows = table
         kernels().decode_sgd_step(lanes.for_read(), rows, k, m, weight.for_write(),
                                   mom.for_write() if mom is not None else None, lr, wd,
-                                  opt.rescale_grad, opt.momentum, _clip(opt), self.num_threads)
+                                  opt.rescale_grad, opt.momentum, _clip(opt), self.num_threads,
+                                  checked)
 
     def local_step(self, opt, index, grad, weight, out, engine=None, check=None, encoder=None):
         """out <- one step of `opt`'s settings from `weight`, reading the global momentum.

@@ -303,7 +303,8 @@ class GlobalUpdate:
         # than the kernel's per-key engine waits (scripts/per_key_cost.py).
         kernel = self.kernel if len(transfer.pushes) == 1 else None
         if table is not None:
-            kernel.global_step_decoding(indices[0], transfer.exchange.recv, table, glos[0])
+            kernel.global_step_decoding(indices[0], transfer.exchange.recv, table, glos[0],
+                                        transfer.lanes_checked)
         elif kernel is not None:
             kernel.global_step(indices, [p.buffers.agg for p in transfer.pushes], glos)
         else:

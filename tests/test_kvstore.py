@@ -129,14 +129,18 @@ def test_global_weights_bitwise_equal_across_workers(backup):
     assert s0["comm_threshold_bytes"] == 256
 
 
-@pytest.mark.parametrize("name", ["1bit", "2bit", "4bit"])
-def test_sgd_update_decodes_compressed_sums_with_the_same_weights(monkeypatch, name):
-    """After warm-up MXNet's SGD decodes compressed keys inside the kernel's update; an SGD
-    subclass takes MXNet's ops on the aggregate decoded first, and gets the same weights."""
-    used = []
+@pytest.mark.parametrize("name,lane_dtype", [("1bit", "float64"), ("2bit", "float64"),
+                                             ("4bit", "float64"), ("2bit", "float32")])
+def test_sgd_update_decodes_compressed_sums_with_the_same_weights(monkeypatch, name,
+                                                                  lane_dtype):
+    """After warm-up MXNet's SGD decodes compressed keys inside the kernel's update, on lanes
+    the pipeline's check (or the float32 join) found in range, so the kernel reads them
+    once; an SGD subclass takes MXNet's ops on the aggregate decoded first, and gets the
+    same weights."""
+    checked = []
     original = sgd.SGDKernel.global_step_decoding
     monkeypatch.setattr(sgd.SGDKernel, "global_step_decoding",
-                        lambda self, *args: used.append(1) or original(self, *args))
+                        lambda self, *args: checked.append(args[4]) or original(self, *args))
 
     class SubclassedSGD(mx.optimizer.SGD):
         pass
@@ -144,12 +148,14 @@ def test_sgd_update_decodes_compressed_sums_with_the_same_weights(monkeypatch, n
     runs = {}
     for cls in (mx.optimizer.SGD, SubclassedSGD):
         runs[cls] = th.slimgc_workers(2, _net, th.batches(12), sgd_class=cls, compressor=name,
-                                      threshold=0.01, comm_threshold=256, warmup_steps=2)
+                                      threshold=0.01, comm_threshold=256, warmup_steps=2,
+                                      lane_dtype=lane_dtype)
         assert runs[cls][0][1]["compressed_transfers"] > 0
         if cls is mx.optimizer.SGD:
-            assert used  # the fused path ran (the 32x12 weight is compressed)
-            del used[:]
-    assert not used
+            assert checked  # the fused path ran (the 32x12 weight is compressed)
+            assert all(c is True for c in checked)
+            del checked[:]
+    assert not checked
     for (fused, _), (plain, _) in zip(runs[mx.optimizer.SGD], runs[SubclassedSGD]):
         for a, b in zip(fused, plain):
             np.testing.assert_array_equal(a, b)
@@ -344,6 +350,48 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
         np.testing.assert_array_equal(before, after)
         np.testing.assert_array_equal(param, before)
         assert np.isfinite(after).all()
+
+
+def test_a_sum_of_lanes_out_of_range_fails_every_worker_without_updating(monkeypatch):
+    """The finisher's check reads the summed lanes once for NaN/Inf and range; lanes it
+    finds out of range are left to the SGD kernel's own check, which refuses them before
+    writing any weight (nothing is decoded from a sum that is not one)."""
+    from slimgc_mx.transport.threads import ThreadHandle
+
+    corrupt, barrier, size = threading.Event(), threading.Barrier(2), 3000
+    wait = ThreadHandle.wait
+
+    def corrupted(self):
+        wait(self)
+        lanes = self._recv.for_write()
+        if corrupt.is_set() and lanes.dtype == np.float64:
+            lanes[5] = -4.0  # finite, and no sum of lanes
+
+    monkeypatch.setattr(ThreadHandle, "wait", corrupted)
+
+    def worker(rank, transport):
+        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
+                    backup=True, timeout=30)
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        w = mx.nd.ones(size)
+        kv.broadcast(0, w, out=w)
+        grad = mx.nd.array(np.linspace(-1, 1, size).astype(np.float32) * (rank + 1))
+        kv.pushpull(0, grad, out=w)
+        kv.pushpull(0, grad, out=w)
+        kv._agg.pipeline.wait_idle(30)
+        glo = kv._agg.backup.glo_buf(0).asnumpy()
+        barrier.wait()
+        corrupt.set()
+        kv.pushpull(0, grad, out=w)
+        with pytest.raises(PipelineError) as info:
+            kv.pushpull(0, grad, out=w)
+        after = kv._agg.backup.glo_buf(0).asnumpy()
+        kv.close()
+        return info.value, glo, after
+
+    for err, glo, after in th.in_threads(2, worker):
+        assert "outside [0, 2**53)" in str(err) and "no weight was written" in str(err)
+        np.testing.assert_array_equal(glo, after)
 
 
 @pytest.mark.parametrize("name, options", [("2bit", {}), ("thc", {"hadamard": True})])

@@ -100,6 +100,36 @@ def test_decoding_step_is_bitwise_decode_then_step(name, momentum, clip):
                 np.testing.assert_array_equal(m2, m)
 
 
+def test_count_lanes_outside_counts_what_the_decoder_cannot_divide():
+    lanes = np.arange(1000, dtype=np.float64) * 1e12
+    lanes[-1] = 2.0 ** 53 - 1  # the largest lane the decoder takes
+    assert kernels().count_lanes_outside(lanes) == 0
+    assert kernels().count_lanes_outside(lanes[:0]) == 0
+    for i, bad in enumerate((-1.0, 2.0 ** 53, np.nan, np.inf, -np.inf)):
+        lanes[100 * i + 7] = bad
+    assert kernels().count_lanes_outside(lanes) == 5
+
+
+def test_decoding_step_checked_by_the_caller_gives_the_same_weights():
+    """checked=True skips the kernel's own range pass: same weights bit for bit."""
+    codec = codecs.create("2bit")
+    n = 70000
+    rng = np.random.default_rng(3)
+    lanes = sum(codec.encode(rng.standard_normal(n).astype(np.float32),
+                             np.zeros(n, np.float32), 2) for _ in range(2))
+    k, digits, rows = codec.decode_table(lanes, n, 2)
+    assert kernels().count_lanes_outside(lanes[:codec.body_lanes(n, 2)]) == 0
+    out = []
+    for checked in (False, True):
+        w = np.linspace(-1, 1, n).astype(np.float32)
+        m = np.full(n, 0.25, np.float32)
+        kernels().decode_sgd_step(lanes, rows, k, digits, w, m, 0.1, 1e-4, 0.5, 0.9, -1.0, 2,
+                                  checked)
+        out.append((w, m))
+    for a, b in zip(out[0], out[1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_decoding_step_refuses_bad_lanes_before_writing():
     codec = codecs.create("2bit")
     n = 5000

@@ -125,10 +125,15 @@ class LaneCodec(Codec):
 
     def lane_count(self, size, num_workers):
         """Length of the lanes array for `size` elements (trailer lanes included)."""
+        return (self.body_lanes(size, num_workers) + self.trailer_lanes
+                + num_workers * self.gathered_count(size))
+
+    def body_lanes(self, size, num_workers):
+        """The lanes that hold `size` elements' digits: the first ceil(size / k)."""
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError("size must be an integer >= 0, got %r" % (size,))
         _, k = self.geometry(num_workers)
-        return -(-int(size) // k) + self.trailer_lanes + num_workers * self.gathered_count(size)
+        return -(-int(size) // k)
 
     def gathered_count(self, size):
         """Values this codec gathers per worker for a tensor of `size` elements."""
