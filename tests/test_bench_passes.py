@@ -10,20 +10,23 @@ from slimgc_mx.bench import passes
 def test_the_passes_of_a_compressed_tensor_add_up():
     c = passes.compressed_passes(wire_bits=8.0, fused_encode=False)
     assert [p.name.split(" ")[0] for p in c] == ["gradient", "local", "loc_buf", "encode",
-                                                 "decode"]
-    # 8 + 16 + 8 + (12 + 1) + (1 + 16): above the floor of 24 + 1 + 16 + 1
-    assert sum(p.total for p in c) == pytest.approx(62.0)
+                                                 "sum", "decode"]
+    # 8 + 16 + 8 + (12 + 1) + 1 + (1 + 16): above the floor of 24 + 1 + 16 + 1
+    assert sum(p.total for p in c) == pytest.approx(63.0)
     # The local update encoding in its pass reads MXNet's gradient once, in place: no copy
     # into grad_buf and no second read, 12 bytes fewer.
     fused = passes.compressed_passes(wire_bits=8.0)
-    assert [p.name.split(" ")[0] for p in fused] == ["local", "loc_buf", "decode"]
-    assert sum(p.total for p in fused) == pytest.approx(50.0)
+    assert [p.name.split(" ")[0] for p in fused] == ["local", "loc_buf", "sum", "decode"]
+    assert sum(p.total for p in fused) == pytest.approx(51.0)
     assert passes.floor_bytes(8.0) == pytest.approx(42.0)
     assert passes.no_comm_bytes() == 20.0
     off = passes.compressed_passes(wire_bits=8.0, backup=False, fused_decode=False)
     names = [p.name for p in off]
     assert "NaN/Inf pre-check" in names and "glo_buf into the parameters" in names
     assert "decode into the aggregate" in names and "local update" not in " ".join(names)
+    # Without the decoding kernel the NaN check writes a bool per lane (NumPy's isfinite).
+    check = next(p for p in off if p.name.startswith("sum checked"))
+    assert (check.read, check.write) == (1.0, 0.125)
 
 
 def test_the_threshold_splits_the_model():

@@ -61,10 +61,13 @@ def compressed_passes(wire_bits, backup=True, momentum=True, fused_decode=True,
             out += [Pass("NaN/Inf pre-check", "codec.encode (read-only pass)", 4, 0)]
         out += [Pass("encode (error feedback, levels, lanes)", "codec.encode", 8, 4 + lanes)]
     if fused_decode:
-        out += [Pass("decode inside the global update", "update.GlobalUpdate (SGD kernel)",
+        out += [Pass("sum checked: NaN/Inf and lanes in range", "pipeline (finisher)",
+                     lanes, 0),
+                Pass("decode inside the global update", "update.GlobalUpdate (SGD kernel)",
                      lanes + 4 + state, 4 + state)]
     else:
-        out += [Pass("decode into the aggregate", "codec.decode", lanes, 4),
+        out += [Pass("sum checked for NaN/Inf", "pipeline (finisher)", lanes, lanes / 8),
+                Pass("decode into the aggregate", "codec.decode", lanes, 4),
                 Pass("global update", "update.GlobalUpdate", 8 + state, 4 + state)]
     if not backup:
         out += [Pass("glo_buf into the parameters", "backup.write_back", 4, 4)]
