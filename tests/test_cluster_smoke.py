@@ -277,3 +277,12 @@ def test_a_killed_worker_fails_its_config_and_an_interrupt_stops_the_rest(monkey
     assert ran == ["fp32", "no-comm"][:runs]
     assert code != 0
     assert json.loads((tmp_path / "summary.json").read_text())["results"][0]["status"] == status
+
+
+def test_plots_draw_every_baseline_grey():
+    from slimgc_mx.bench import plots
+
+    for name in ("fp32", "mxnet-2bit", "no-comm", "horovod-fp32", "horovod-fp16"):
+        assert plots.is_baseline(name), name
+    for name in ("slimgc-2bit-full", "qsgd-alone", "slimgc-2bit-full@before"):
+        assert not plots.is_baseline(name), name

@@ -58,6 +58,12 @@ def _ok(summary):
     return [r for r in summary["results"] if r.get("ok")]
 
 
+def is_baseline(config):
+    """True for the configurations SlimGC is compared against (drawn grey): MXNet's own,
+    Horovod's and the no-communication run."""
+    return config in ("fp32", "mxnet-2bit", "no-comm") or config.startswith("horovod-")
+
+
 def throughput(summary, path):
     """Fig. 12: samples/s per worker normalized to mxnet-2bit (absolute value on each bar)."""
     plt = _plt()
@@ -68,8 +74,7 @@ def throughput(summary, path):
     names = [r["config"] for r in rows]
     vals = [r["samples_per_s_per_worker"] / base for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
-    colors = ["#888888" if n in ("fp32", "mxnet-2bit", "no-comm") else "#2b6cb0"
-              for n in names]
+    colors = ["#888888" if is_baseline(n) else "#2b6cb0" for n in names]
     spread = [[r["samples_per_s_per_worker"] - min(r.get("samples_per_s_runs") or [0]),
                max(r.get("samples_per_s_runs") or [0]) - r["samples_per_s_per_worker"]]
               for r in rows]
