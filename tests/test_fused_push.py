@@ -196,11 +196,7 @@ def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
     both = threading.Barrier(2)
 
     def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
-                    backup=True, timeout=30)
-        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
-        w = mx.nd.ones(size)
-        kv.broadcast(0, w, out=w)
+        kv, w = th.compressed_sgd_store(transport, size)
         grad = mx.nd.array(np.linspace(-1, 1, size) * (rank + 1))
         for _ in range(4):
             kv.pushpull(0, grad, out=w)

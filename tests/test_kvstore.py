@@ -370,11 +370,7 @@ def test_a_sum_of_lanes_out_of_range_fails_every_worker_without_updating(monkeyp
     monkeypatch.setattr(ThreadHandle, "wait", corrupted)
 
     def worker(rank, transport):
-        kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
-                    backup=True, timeout=30)
-        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
-        w = mx.nd.ones(size)
-        kv.broadcast(0, w, out=w)
+        kv, w = th.compressed_sgd_store(transport, size)
         grad = mx.nd.array(np.linspace(-1, 1, size).astype(np.float32) * (rank + 1))
         kv.pushpull(0, grad, out=w)
         kv.pushpull(0, grad, out=w)

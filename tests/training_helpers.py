@@ -90,6 +90,17 @@ def slimgc_workers(num_workers, make_net, data, sgd_class=mx.optimizer.SGD, mome
     return in_threads(num_workers, worker)
 
 
+def compressed_sgd_store(transport, size):
+    """(kv, w): a 2bit store with backup that compresses every key, MXNet's SGD (lr 0.1,
+    momentum 0.9), and key 0 broadcast into w = ones(size)."""
+    kv = SlimGC(transport=transport, compressor="2bit", comm_threshold="off",
+                backup=True, timeout=30)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    w = mx.nd.ones(size)
+    kv.broadcast(0, w, out=w)
+    return kv, w
+
+
 def buffer_of(values):
     """A CPU Buffer holding `values` (flattened to float32)."""
     buf = Buffer(values.shape, np.float32)
