@@ -319,15 +319,17 @@ def test_stuck_transfer_times_out_in_the_training_thread():
     assert time.time() - start < 5
 
 
-@pytest.mark.parametrize("comm_threshold", ["off", 1 << 40])  # compressed route, fp route
-def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
+@pytest.mark.parametrize("comm_threshold, lane_dtype", [
+    ("off", "float64"), ("off", "float32"),  # compressed route, float64 / float32 lanes
+    (1 << 40, "auto")])  # full-precision route
+def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold, lane_dtype):
     from slimgc_mx.pipeline import NonFiniteAggregateError
 
     size = 50
 
     def worker(rank, transport):
         kv = SlimGC(transport=transport, compressor="2bit", comm_threshold=comm_threshold,
-                    backup=False, timeout=30)
+                    backup=False, timeout=30, lane_dtype=lane_dtype)
         kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
         w = mx.nd.ones(size)
         kv.broadcast(0, w, out=w)
@@ -347,6 +349,7 @@ def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold):
     for err, before, after, param in th.in_threads(2, worker):
         assert isinstance(err.__cause__, NonFiniteAggregateError)
         assert "key 0, step 1" in str(err) or "key 0 (fused), step 1" in str(err)
+        assert "sent by worker rank 1" in str(err)
         np.testing.assert_array_equal(before, after)
         np.testing.assert_array_equal(param, before)
         assert np.isfinite(after).all()
