@@ -373,7 +373,6 @@ class Pipeline:
         t.round += 1
         return True
 
-
     def _finite(self, t, values, joined):
         """True when the round's result holds no NaN/Inf. A sum the SGD kernel decodes is
         read once for both of its checks: digit lanes in [0, 2**53) (already known when

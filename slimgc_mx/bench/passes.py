@@ -2,17 +2,18 @@
 
 `python -m slimgc_mx.bench passes --model fc` lists every pass the CPU makes over a
 model's weights in one step of full SlimGC (the gradient copy, the local update and its
-write into the parameters, the NaN pre-check, the encode, the decode and the global
-update, as far as they are separate passes) with the bytes each reads and writes per element, from the same decisions the
-kvstore makes: which tensors the threshold compresses (`--comm-threshold`), whether the
-local update encodes in its own pass (Codec.fuses_local_update) or counts NaN/Inf so the
-encoder skips its own check (Planner.checks_in_local_update), and whether the SGD kernel
-decodes the lanes inside
-its update (GlobalUpdate.decodes_in_update: MXNet's SGD and a codec that decodes by
-table). The floor is what a step must touch at least (read the gradient, the residual
-and glo_buf, write the lanes and the parameters; on the aggregation side the lanes,
-the momentum and glo_buf); no-comm is one SGD step. A copy of the weights is 8 bytes
-per element (read and write), the unit the table reports beside bytes.
+write into the parameters, the NaN pre-check, the encode, the finisher's check of the
+sum, the decode and the global update, as far as they are separate passes) with the
+bytes each reads and writes per element, from the same decisions the kvstore makes:
+which tensors the threshold compresses (`--comm-threshold`), whether the local update
+encodes in its own pass (Codec.fuses_local_update) or counts NaN/Inf so the encoder
+skips its own check (Planner.checks_in_local_update), and whether the SGD kernel
+decodes the lanes inside its update (GlobalUpdate.decodes_in_update: MXNet's SGD and a
+codec that decodes by table). The floor is what a step must touch at least (read the
+gradient, the residual and glo_buf, write the lanes and the parameters; on the
+aggregation side the lanes, the momentum and glo_buf); no-comm is one SGD step. A copy
+of the weights is 8 bytes per element (read and write), the unit the table reports
+beside bytes.
 """
 import argparse
 import json

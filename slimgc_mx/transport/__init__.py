@@ -30,7 +30,7 @@ def create_transport(timeout=None, piece_bytes=0):
 
 
 __all__ = ["ArrayInPlace", "ArrayOps", "BIGARRAY_BOUND", "Buffer", "DistTransport",
-           "EngineNotifier", "KeyWire", "LayoutError", "LocalTransport", "PiecesHandle", "ServerPrecisionError", "ThreadGroup",
-           "ThreadTransport", "TransferHandle", "Transport", "TransportTimeout", "WireKeyError",
-           "WireKeys", "WriteHold", "copy_array", "create_transport", "piece_bounds",
-           "wait_readable"]
+           "EngineNotifier", "KeyWire", "LayoutError", "LocalTransport", "PiecesHandle",
+           "ServerPrecisionError", "ThreadGroup", "ThreadTransport", "TransferHandle",
+           "Transport", "TransportTimeout", "WireKeyError", "WireKeys", "WriteHold",
+           "copy_array", "create_transport", "piece_bounds", "wait_readable"]
