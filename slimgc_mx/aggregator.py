@@ -17,8 +17,8 @@ import numpy as np
 
 from . import agreement, codecs, lanes32
 from .backup import ModelBackup
-from .grad_buf import FusedEncode, GradCheck, Push
-from .pipeline import Pipeline, TransferStats, mark_nonfinite
+from .grad_buf import FusedEncode, GradCheck, Push, mark_nonfinite, stream_pieces
+from .pipeline import Pipeline, TransferStats
 from .planner import Planner
 from .threshold import CTTab, NEVER
 from .trace import Trace
@@ -205,8 +205,22 @@ class Aggregator:
         codec = transfer.buffers.codec
         if not codec.fuses_local_update or codec.wants_optimizer:
             return None
+        pieces = self._stream_pieces(transfer)
+        transfer.streamed = pieces is not None
         return FusedEncode(transfer.buffers, transfer.exchange.send, self.num_workers,
-                           self.transport.rank, transfer.check)
+                           self.transport.rank, transfer.check, pieces)
+
+    def _stream_pieces(self, transfer):
+        """The Pieces a fused push is encoded and sent as, one by one, or None: its lanes
+        travel whole, as float32 lanes, in several rounds, or carry values that depend
+        on the whole key (Codec.piece_elements)."""
+        r = transfer.exchange
+        bounds = self.transport.pieces(r.key)
+        if (bounds is None or not self.config.stream or transfer.serial
+                or r.lanes32 is not None or r.route != "sum" or len(transfer.plan) != 1):
+            return None
+        b = transfer.buffers
+        return stream_pieces(b.codec, b.size, r.send, bounds, self.num_workers)
 
     def _gradient_source(self, b, grad, fused):
         """What the push reads the gradient from: on a fused push, MXNet's own array in
@@ -381,6 +395,8 @@ def report(agg, compressor, pieces):
     fused_keys / fused_buckets: full-precision keys sent together, in how many
     transfers per step (a bucket counts once in `transfers`); wire_pieces: wire keys
     of the pieces that large buffers travel as (a transfer counts once);
+    streamed_transfers: compressed transfers whose pieces were each pushed as soon as
+    the local update had encoded them;
     keys_encoded_in_local_update: keys whose local update has encoded them in its pass,
     of which keys_gradient_in_place read the gradient where MXNet keeps it (the rest
     were in MKLDNN's layout and copied into grad_buf).
@@ -399,6 +415,7 @@ def report(agg, compressor, pieces):
         "bytes_fp32": c.fp32,
         "transfers": c.transfers,
         "compressed_transfers": c.compressed_transfers,
+        "streamed_transfers": c.streamed_transfers,
         "comm_s": c.comm_s,
         "compress_s": c.compress_s,
         "blocked_s": agg.backup.blocked_s if agg else 0.0,

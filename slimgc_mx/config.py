@@ -20,7 +20,7 @@ from .threshold import check_rule, load_decision
 PIECE_BYTES = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_BOOL_FIELDS = ("backup", "offload", "fuse", "allow_pickle_checkpoint")
+_BOOL_FIELDS = ("backup", "offload", "fuse", "stream", "allow_pickle_checkpoint")
 _WARNED = set()  # SLIMGC_* variables already warned about
 
 
@@ -55,6 +55,8 @@ class SlimGCConfig:
                     code when loaded); off: only the data-only format is read
     piece_bytes     dist transport: buffers larger than this go as pieces of this many bytes,
                     so the sums of the first pieces come back while later ones are pushed (0: whole)
+    stream          a compressed key whose local update encodes it (2bit) is encoded piece by
+                    piece, and each piece is pushed as soon as it is encoded (needs piece_bytes)
     trace           write each worker's stage spans to this Chrome trace file (FILE.rankN.json;
                     docs/trace.md); None: no trace
     lane_dtype      what lane codecs' sums travel as: 'float64' (servers must sum float64
@@ -81,6 +83,7 @@ class SlimGCConfig:
     audit_every: int = 0
     allow_pickle_checkpoint: bool = False
     piece_bytes: int = PIECE_BYTES
+    stream: bool = True
     trace: Optional[str] = None
     lane_dtype: str = "auto"
 

@@ -10,7 +10,9 @@ the rounds Codec.push_rounds picks (dgc's stage, 4bit's group's geometry). A cod
 size follows the data (gcomp) pre-declares several slot sizes, `wire_classes`, and picks
 one per push (`codec.wire_class`); their buffers share the memory of the largest.
 With float32 lanes (lanes32.py) a float64 sum round also holds the float32 arrays that
-actually travel: `wire_send` and `wire_recv`.
+actually travel: `wire_send` and `wire_recv`. A large key may be encoded and sent in
+pieces (Piece, a streamed push). A worker whose gradient holds NaN/Inf sends NaN naming
+its rank (mark_nonfinite), so that every worker fails the sum.
 """
 import time
 from dataclasses import dataclass
@@ -157,38 +159,82 @@ class GradCheck:
         self.error = None
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A part of a key that is encoded and sent on its own (a streamed push): elements
+    [lo, hi) of the gradient, lanes `lanes` of bit_buf, which travel as the transport's
+    piece array `send` of bit_buf."""
+
+    lo: int
+    hi: int
+    lanes: slice
+    send: object  # the NDArray the transport pushes for these lanes (Buffer.pieces)
+
+
+def stream_pieces(codec, size, send, lane_bounds, num_workers):
+    """The Pieces of a key whose bit_buf `send` travels as `lane_bounds`, or None when the
+    codec cannot encode a piece of lanes alone (Codec.piece_elements)."""
+    elements = codec.piece_elements(size, num_workers, lane_bounds)
+    if elements is None:
+        return None
+    return [Piece(lo, hi, slice(*lanes), nd)
+            for (lo, hi), lanes, nd in zip(elements, lane_bounds, send.pieces(lane_bounds))]
+
+
 class FusedEncode:
     """bit_buf of one push encoded inside its local update: the codec's encode with the
-    local SGD step in the same pass (Codec.fuses_local_update), so grad_buf is read once."""
+    local SGD step in the same pass (Codec.fuses_local_update), so grad_buf is read once.
 
-    def __init__(self, buffers, send, num_workers, rank, check):
+    With `pieces` (a streamed push) each Piece is encoded by an operator of its own,
+    which writes that piece's array, so the transport pushes a piece as soon as it is
+    encoded. A key's next push waits for the publish of its last one (ModelBackup
+    .wait_version), by which every access of those pieces has finished.
+    """
+
+    def __init__(self, buffers, send, num_workers, rank, check, pieces=None):
         self.buffers = buffers
         self.send = send  # the round's bit_buf (a Buffer)
         self.num_workers = num_workers
         self.rank = rank
         self.check = check
+        self.pieces = pieces
 
-    @property
-    def writes(self):
-        """The Buffers the encoding writes besides the local update's output."""
-        return [self.buffers.residual, self.send]
+    def parts(self):
+        """(Piece or None for the whole key, the NDArrays its operator writes besides the
+        local update's output), one per operator."""
+        residual = self.buffers.residual.nd
+        if self.pieces is None:
+            return [(None, [residual, self.send.nd])]
+        return [(p, [residual, p.send]) for p in self.pieces]
 
-    def __call__(self, grad, local):
-        """Encode `grad` (grad_buf, or the gradient read in place: its held() view) with
-        `local` (kernels.LocalSGD). Runs where the caller holds every buffer (an engine
-        operator): nothing here waits; any failure is kept in `check` for the encoder."""
+    def __call__(self, grad, local, piece=None):
+        """Encode `grad` (grad_buf, or the gradient read in place: its held() view), or the
+        elements of `piece`, with `local` (kernels.LocalSGD of the same elements). Runs
+        where the caller holds every buffer (an engine operator): nothing here waits; a
+        failure is kept in `check` for the pipeline. A piece that fails goes out as NaN
+        naming this worker, so that every worker fails its sum instead of adding it."""
         b, check = self.buffers, self.check
         start = time.perf_counter()
+        grad, residual, out = grad.held(), b.residual.held(), self.send.held()
+        if piece is not None:
+            grad, residual, out = (grad[piece.lo:piece.hi], residual[piece.lo:piece.hi],
+                                   out[piece.lanes])
         try:
-            b.codec.encode(grad.held(), b.residual.held(), self.num_workers,
-                           out=self.send.held(), rank=self.rank, local=local)
-            check.nonfinite = 0
+            b.codec.encode(grad, residual, self.num_workers, out=out, rank=self.rank,
+                           local=local)
+            bad = 0
         except NonFiniteGradientError:
-            check.nonfinite = 1
+            bad = 1
         except BaseException as exc:
-            check.error = exc
+            if check.error is None:
+                check.error = exc
+            if piece is not None:
+                mark_nonfinite(out, self.rank)
             raise
-        check.seconds = time.perf_counter() - start
+        if bad and piece is not None:
+            mark_nonfinite(out, self.rank)
+        check.nonfinite = (check.nonfinite or 0) + bad
+        check.seconds += time.perf_counter() - start
         check.encoded = True
 
 
@@ -202,3 +248,28 @@ class Push:
     local: bool  # its local update (backup) has run: publishing waits for the loc_buf flag
     check: Optional[GradCheck] = None
     priority: int = 0  # MXNet's priority of its transfer (Trainer and Module pass -index)
+
+
+#: A quiet NaN's payload bits (float64 / float32), below the quiet bit.
+_PAYLOAD = {np.dtype(np.float64): (np.uint64, 0x7FF8000000000000, 0x0007FFFFFFFFFFFF),
+            np.dtype(np.float32): (np.uint32, 0x7FC00000, 0x003FFFFF)}
+
+
+def mark_nonfinite(array, rank):
+    """Fill `array` with a quiet NaN whose payload is rank + 1.
+
+    The servers' float adds pass a NaN operand's payload on (x86), so every worker
+    finds in the sum which worker sent a non-finite gradient.
+    """
+    uint, quiet, _ = _PAYLOAD[array.dtype]
+    array.view(uint).fill(uint(quiet | (rank + 1)))
+
+
+def nonfinite_sender(array, num_workers):
+    """The rank named by the payload of the first NaN in `array`, or None."""
+    bad = np.flatnonzero(~np.isfinite(array))
+    if not bad.size or not np.isnan(array[bad[0]]):
+        return None
+    uint, _, mask = _PAYLOAD[array.dtype]
+    payload = int(array[bad[0]:bad[0] + 1].view(uint)[0]) & mask
+    return payload - 1 if 1 <= payload <= num_workers else None

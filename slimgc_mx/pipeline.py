@@ -5,7 +5,9 @@ key's transfer and a third key's decoding:
 
     encoder       wait for grad_buf, encode bit_buf with the codec (no GIL held), unless
                   the local update has encoded it in its own pass (grad_buf.FusedEncode)
-    communicator  push + pull on the transport (MXNet's engine sends asynchronously)
+    communicator  push + pull on the transport (MXNet's engine sends asynchronously); a
+                  streamed transfer comes here at once, and the engine pushes each of its
+                  pieces as soon as the local update's operator has encoded it
     finisher      wait for the sum, decode it into the aggregate, hand it to `finish`
                   (or, for a transfer marked decode_in_update, leave decoding to `finish`)
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from .codecs import NonFiniteGradientError
 from .codecs.base import kernels
-from .grad_buf import GradCheck, Push
+from .grad_buf import GradCheck, Push, mark_nonfinite, nonfinite_sender
 
 
 class PipelineError(RuntimeError):
@@ -72,6 +74,8 @@ class Transfer:
     wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
     round_start: Optional[float] = None  # when the exchange under way was started
     lanes_checked: bool = False  # the sum's digit lanes were found in range (decode_in_update)
+    streamed: bool = False  # encoded piece by piece in the engine (grad_buf.Piece), each
+    #                         piece pushed once it is encoded: enters the pipeline at once
 
     def ready_array(self):
         """The NDArray the transfer waits for before it enters (its producer's output)."""
@@ -142,12 +146,13 @@ class Pipeline:
             self._threads.append(t)
 
     def submit(self, transfer):
-        """Queue `transfer`: at once when serial, else once its ready_array() is written."""
+        """Queue `transfer`: at once when serial or streamed, else once its ready_array()
+        is written."""
         if self.error is not None:
             raise PipelineError.of(self.error, self.error_where)
         with self._idle:
             self._pending += 1
-        if transfer.serial:
+        if transfer.serial or transfer.streamed:
             self._queues[0].put(transfer)
         else:
             self._notifier.when_readable(transfer.ready_array(),
@@ -223,6 +228,8 @@ class Pipeline:
             if kernels().count_nonfinite(grad, 1 if grad.size < 1 << 16 else 2):
                 mark_nonfinite(b.grad_buf.for_write(), self.transport.rank)
                 t.nonfinite = True
+        elif t.streamed:  # its pieces are being encoded by engine operators
+            b.residual_pending = True
         elif b.device is not None:
             t0 = time.perf_counter()
             t.exchange.send.for_read()  # encoded on the training thread
@@ -299,8 +306,11 @@ class Pipeline:
             t.round_start = start
             if t.round == 0:
                 t.t_start = start
-            exchange = self.transport.gather if t.gathers else self.transport.push_pull
-            t.handle = exchange(wire, send, recv, t.priority)
+            if t.gathers:
+                t.handle = self.transport.gather(wire, send, recv, t.priority)
+            else:
+                t.handle = self.transport.push_pull(wire, send, recv, t.priority,
+                                                    in_pieces=t.streamed)
             if not t.serial:
                 return
             t.handle.wait()
@@ -318,6 +328,11 @@ class Pipeline:
                 else (t.t_comm or 0.0) + t.handle.elapsed
         n = self.transport.num_workers
         self._span("transfer", t.round_start, t, round=t.round)
+        if t.streamed:  # every piece's operator has run: its pull followed its push
+            if t.check.error is not None:
+                raise t.check.error
+            t.nonfinite = bool(t.check.nonfinite)
+            t.t_proc += t.check.seconds
         if self._advance(t):
             return True
         start = time.perf_counter()
@@ -398,31 +413,6 @@ def _flush_residual(b):
     b.residual_pending = False
 
 
-#: A quiet NaN's payload bits (float64 / float32), below the quiet bit.
-_PAYLOAD = {np.dtype(np.float64): (np.uint64, 0x7FF8000000000000, 0x0007FFFFFFFFFFFF),
-            np.dtype(np.float32): (np.uint32, 0x7FC00000, 0x003FFFFF)}
-
-
-def mark_nonfinite(array, rank):
-    """Fill `array` with a quiet NaN whose payload is rank + 1.
-
-    The servers' float adds pass a NaN operand's payload on (x86), so every worker
-    finds in the sum which worker sent a non-finite gradient.
-    """
-    uint, quiet, _ = _PAYLOAD[array.dtype]
-    array.view(uint).fill(uint(quiet | (rank + 1)))
-
-
-def nonfinite_sender(array, num_workers):
-    """The rank named by the payload of the first NaN in `array`, or None."""
-    bad = np.flatnonzero(~np.isfinite(array))
-    if not bad.size or not np.isnan(array[bad[0]]):
-        return None
-    uint, _, mask = _PAYLOAD[array.dtype]
-    payload = int(array[bad[0]:bad[0] + 1].view(uint)[0]) & mask
-    return payload - 1 if 1 <= payload <= num_workers else None
-
-
 @dataclass
 class TransferStats:
     """Bytes and seconds of the finished transfers (each counted once, pushed and pulled)."""
@@ -434,6 +424,7 @@ class TransferStats:
     compress_s: float = 0.0
     transfers: int = 0
     compressed_transfers: int = 0
+    streamed_transfers: int = 0
 
     def add(self, t):
         pushed, pulled = t.wire_bytes()
@@ -444,3 +435,4 @@ class TransferStats:
         self.compress_s += t.t_proc
         self.transfers += 1
         self.compressed_transfers += int(t.compressed)
+        self.streamed_transfers += int(t.streamed)

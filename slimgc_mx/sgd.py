@@ -11,12 +11,14 @@ so the weights are bitwise the same (tested). For a compressed key it can also
 decode the summed lanes inside the global update, so the aggregate never goes
 to memory.
 """
+from functools import partial
+
 import mxnet as mx
 import numpy as np
 
 from .env import check_num_threads
 from .codecs.base import kernels
-from .transport import Buffer
+from .transport import Buffer, wait_to_write
 
 
 def supports(optimizer):
@@ -92,22 +94,27 @@ class SGDKernel:
         ready, so the calling thread does not wait for backward; without, it runs here.
         `check` (a grad_buf.GradCheck) gets the count of NaN/Inf in `grad`, set before
         `out` is readable, and `out.nd` as the array to wait for. `encoder` (a
-        grad_buf.FusedEncode) encodes `grad` in the same pass, filling `check`; `grad` may
-        then be MXNet's own gradient (transport.ArrayInPlace).
+        grad_buf.FusedEncode) encodes `grad` in the same pass, filling `check`, with one
+        operator per piece when it has pieces; `grad` may then be MXNet's own gradient
+        (transport.ArrayInPlace).
         """
         (lr, wd), = _count(opt, [index])
         rescale, momentum, clip = opt.rescale_grad, opt.momentum, _clip(opt)
         mom = self.momentum(index, weight.nd.shape)
-        reads = [grad, weight] + ([mom] if mom is not None else [])
-        writes = [out] + (encoder.writes if encoder is not None else [])
+        reads = [buf.nd for buf in [grad, weight] + ([mom] if mom is not None else [])]
+        parts = encoder.parts() if encoder is not None else [(None, [])]
         if check is not None:
             check.ready = out.nd
 
-        def run():
+        def run(piece):
             m = mom.held() if mom is not None else None
             if encoder is not None:
-                encoder(grad, kernels().LocalSGD(weight.held(), m, out.held(), lr, wd, rescale,
-                                                 momentum, clip))
+                w, o = weight.held(), out.held()
+                if piece is not None:
+                    part = slice(piece.lo, piece.hi)
+                    w, o, m = w[part], o[part], (m[part] if m is not None else None)
+                encoder(grad, kernels().LocalSGD(w, m, o, lr, wd, rescale, momentum, clip),
+                        piece)
                 return
             bad = kernels().sgd_step(weight.held(), grad.held(), m, None, out.held(), lr, wd,
                                      rescale, momentum, clip, self.num_threads,
@@ -115,14 +122,16 @@ class SGDKernel:
             if check is not None:
                 check.nonfinite = bad
 
-        if engine is None:
-            for buf in reads:
-                buf.for_read()
-            for buf in writes:
-                buf.for_write()
-            run()
-        else:
-            engine.run(run, [buf.nd for buf in reads], [buf.nd for buf in writes])
+        for piece, writes in parts:
+            writes = [out.nd] + writes
+            if engine is None:
+                for nd in reads:
+                    nd.wait_to_read()
+                for nd in writes:
+                    wait_to_write(nd)
+                run(piece)
+            else:
+                engine.run(partial(run, piece), reads, writes)
 
 
 def _count(opt, indices):

@@ -84,13 +84,18 @@ def _record_lanes(kv, lanes):
     push_pull = transport.push_pull
     counts = {}
 
-    def recording(wire_key, send, recv, priority=0):
+    def recording(wire_key, send, recv, priority=0, in_pieces=False):
         if send.nd.dtype != np.float64:
-            return push_pull(wire_key, send, recv, priority)
+            return push_pull(wire_key, send, recv, priority, in_pieces)
         n = counts[wire_key] = counts.get(wire_key, -1) + 1
         name = "%d_%d" % (wire_key, n)
-        lanes["send_" + name] = send.for_read().copy()  # before the pull overwrites it
-        handle = push_pull(wire_key, send, recv, priority)
+        if in_pieces:  # a streamed push: its pieces are written by engine operators
+            for piece in send.pieces(transport.pieces(wire_key)):
+                piece.wait_to_read()
+            lanes["send_" + name] = send.held().copy()
+        else:
+            lanes["send_" + name] = send.for_read().copy()  # before the pull overwrites it
+        handle = push_pull(wire_key, send, recv, priority, in_pieces)
         wait = handle.wait
 
         def waited():

@@ -63,6 +63,23 @@ def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):
     assert stats["bytes_fp32"] > 0
 
 
+def test_streamed_pieces_give_the_weights_of_whole_pushes(tmp_path):
+    """2bit in 128-byte pieces, each pushed as soon as the local update's operator has
+    encoded it, trains bitwise as the same pieces pushed after the whole key is encoded."""
+    runs = {}
+    for stream in ("1", "0"):
+        options = ["--env", "SLIMGC_PIECE_BYTES:128", "--env", "SLIMGC_STREAM:" + stream]
+        runs[stream] = _job(tmp_path, "stream" + stream, "--kvstore", "slimgc", "--compressor",
+                            "2bit", "--comm-threshold", "off", "--steps", "8", options=options)
+    (streamed, w_streamed), (whole, w_whole) = runs["1"], runs["0"]
+    assert streamed[0]["stats"]["streamed_transfers"] == 2 * 8  # both weights, every step
+    assert whole[0]["stats"]["streamed_transfers"] == 0
+    for rank in range(2):
+        assert streamed[rank]["sha256"] == whole[rank]["sha256"]
+        for name in w_whole[rank]:
+            np.testing.assert_array_equal(w_streamed[rank][name], w_whole[rank][name])
+
+
 @pytest.mark.parametrize("bound, piece_bytes", [(None, None), (32, None), (None, 128)])
 def test_servers_sum_packed_lanes_exactly(tmp_path, bound, piece_bytes):
     # The server's float64 sum of the workers' lanes must be exact: a float32 sum (MXNet 1.9.1
@@ -80,6 +97,8 @@ def test_servers_sum_packed_lanes_exactly(tmp_path, bound, piece_bytes):
     assert [i["bigarray_bound"] for i in info] == [bound or BIGARRAY_BOUND] * 2
     assert info[0]["sha256"] == info[1]["sha256"]
     assert (info[0]["stats"]["wire_pieces"] > 0) == (piece_bytes is not None)
+    # in pieces, the local update encodes each piece in an operator of its own (streamed)
+    assert (info[0]["stats"]["streamed_transfers"] > 0) == (piece_bytes is not None)
     lanes = [dict(np.load(out / ("lanes_rank%d.npz" % r))) for r in range(2)]
     sums = [name for name in lanes[0] if name.startswith("sum_")]
     assert len(sums) >= 2 * 6  # both weight tensors, every step

@@ -285,7 +285,7 @@ def test_bad_input_errors():
 class _BrokenLink(LocalTransport):
     """A transport whose every transfer fails."""
 
-    def push_pull(self, wire_key, send, recv, priority=0):
+    def push_pull(self, wire_key, send, recv, priority=0, in_pieces=False):
         raise OSError("link down (injected)")
 
 
@@ -304,7 +304,7 @@ def test_background_error_surfaces_in_the_training_thread():
 
 def test_stuck_transfer_times_out_in_the_training_thread():
     class Stuck(LocalTransport):
-        def push_pull(self, wire_key, send, recv, priority=0):
+        def push_pull(self, wire_key, send, recv, priority=0, in_pieces=False):
             time.sleep(30)
 
     kv = SlimGC(transport=Stuck(), compressor="none", backup=False, timeout=0.5)

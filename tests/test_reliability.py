@@ -487,7 +487,7 @@ def test_more_workers_than_the_lane_format_holds(name):
 class _SlowLink(LocalTransport):
     """Every transfer takes 0.3 s: the training thread really has to wait."""
 
-    def push_pull(self, wire_key, send, recv, priority=0):
+    def push_pull(self, wire_key, send, recv, priority=0, in_pieces=False):
         time.sleep(0.3)
         return super().push_pull(wire_key, send, recv)
 

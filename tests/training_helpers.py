@@ -51,9 +51,10 @@ def weights(net):
     return [p.data().asnumpy().copy() for p in net.collect_params().values()]
 
 
-def in_threads(num_workers, fn):
-    """Run fn(rank, transport) on num_workers threads; re-raise the first failure."""
-    group = ThreadGroup(num_workers)
+def in_threads(num_workers, fn, piece_bytes=0):
+    """Run fn(rank, transport) on num_workers threads; re-raise the first failure.
+    piece_bytes: buffers larger than this travel as pieces (ThreadGroup)."""
+    group = ThreadGroup(num_workers, piece_bytes=piece_bytes)
     results, errors = [None] * num_workers, []
 
     def run(rank):
@@ -73,9 +74,10 @@ def in_threads(num_workers, fn):
 
 
 def slimgc_workers(num_workers, make_net, data, sgd_class=mx.optimizer.SGD, momentum=0.9,
-                   **options):
+                   piece_bytes=0, **options):
     """Train make_net() on num_workers threads through SlimGC(**options) and SGD (lr 0.1,
-    `momentum`), worker r on data[r::num_workers] twice; [(weights, stats)] per rank."""
+    `momentum`), worker r on data[r::num_workers] twice; [(weights, stats)] per rank.
+    piece_bytes: the thread group's (buffers larger than this travel as pieces)."""
     def worker(rank, transport):
         net = make_net()
         kv = SlimGC(transport=transport, **options)
@@ -87,7 +89,7 @@ def slimgc_workers(num_workers, make_net, data, sgd_class=mx.optimizer.SGD, mome
         kv.close()
         return weights(net), stats
 
-    return in_threads(num_workers, worker)
+    return in_threads(num_workers, worker, piece_bytes)
 
 
 def compressed_sgd_store(transport, size):

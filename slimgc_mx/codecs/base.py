@@ -209,6 +209,9 @@ class Codec:
     #: True when encode takes `local` (kernels.LocalSGD): the backup's local SGD step in
     #: the encoder's pass, so the gradient is read once (lanes.LaneCodec.encode).
     fuses_local_update = False
+    #: True when the lanes of elements [j*k, (j+m)*k) depend on those elements (and their
+    #: residual) alone, so a key can be encoded and sent piece by piece (piece_elements).
+    encodes_by_piece = False
 
     def __init__(self, threshold=None, num_threads=None, **options):
         threshold = check_threshold(threshold, self.name)
@@ -255,6 +258,11 @@ class Codec:
         """Same parameters, fresh shared state (one instance per key)."""
         return type(self)(threshold=self._threshold, num_threads=self.num_threads,
                           **self.option_values)
+
+    def piece_elements(self, size, num_workers, lane_bounds):
+        """The element range [lo, hi) of each lane range in `lane_bounds`, when those lanes
+        can be encoded from those elements alone (encodes_by_piece), else None."""
+        return None
 
     def set_optimizer_view(self, view):
         """The optimizer's view of this key (an OptimizerView, or None: no optimizer) for the

@@ -128,6 +128,15 @@ class LaneCodec(Codec):
         return (self.body_lanes(size, num_workers) + self.trailer_lanes
                 + num_workers * self.gathered_count(size))
 
+    def piece_elements(self, size, num_workers, lane_bounds):
+        if not self.encodes_by_piece or self.trailer_lanes or self.gathered_count(size):
+            return None
+        _, k = self.geometry(num_workers)
+        if lane_bounds[-1][1] != self.body_lanes(size, num_workers):
+            raise ValueError("lane ranges end at %d, %d elements have %d lanes"
+                             % (lane_bounds[-1][1], size, self.body_lanes(size, num_workers)))
+        return [(lo * k, min(hi * k, size)) for lo, hi in lane_bounds]
+
     def body_lanes(self, size, num_workers):
         """The lanes that hold `size` elements' digits: the first ceil(size / k)."""
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:

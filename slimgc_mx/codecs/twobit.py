@@ -15,6 +15,7 @@ class TwoBit(LaneCodec):
     takes_threshold = True
     default_threshold = 0.5
     fuses_local_update = True
+    encodes_by_piece = True
 
     def _affine(self):
         return float(np.float32(self._threshold)), 1, -1

@@ -13,9 +13,10 @@ NumPy view of it), so codecs write straight into what MXNet sends.
     dist.py     MXNet dist_sync (stock servers), the server precision probe, pieces
 """
 from .. import env
-from .base import PiecesHandle, TransferHandle, Transport, TransportTimeout, wait_readable
-from .buffers import ArrayInPlace, ArrayOps, Buffer, LayoutError, copy_array
-from .dist import BIGARRAY_BOUND, DistTransport, ServerPrecisionError, piece_bounds
+from .base import (PiecesHandle, TransferHandle, Transport, TransportTimeout, piece_bounds,
+                   wait_readable)
+from .buffers import ArrayInPlace, ArrayOps, Buffer, LayoutError, copy_array, wait_to_write
+from .dist import BIGARRAY_BOUND, DistTransport, ServerPrecisionError
 from .engine import EngineNotifier, WriteHold
 from .keys import KeyWire, WireKeyError, WireKeys
 from .local import LocalTransport
@@ -33,4 +34,4 @@ __all__ = ["ArrayInPlace", "ArrayOps", "BIGARRAY_BOUND", "Buffer", "DistTranspor
            "EngineNotifier", "KeyWire", "LayoutError", "LocalTransport", "PiecesHandle",
            "ServerPrecisionError", "ThreadGroup", "ThreadTransport", "TransferHandle",
            "Transport", "TransportTimeout", "WireKeyError", "WireKeys", "WriteHold",
-           "copy_array", "create_transport", "piece_bounds", "wait_readable"]
+           "copy_array", "create_transport", "piece_bounds", "wait_readable", "wait_to_write"]

@@ -35,6 +35,14 @@ class PiecesHandle(TransferHandle):
             nd.wait_to_read()
 
 
+def piece_bounds(size, itemsize, piece_bytes):
+    """[(lo, hi), ...] element ranges of at most piece_bytes each, or None for one piece."""
+    per = max(1, piece_bytes // itemsize) if piece_bytes else size
+    if size <= per:
+        return None
+    return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
+
+
 def wait_readable(arrays, timeout):
     """Block until every NDArray in `arrays` (or the one NDArray) is readable, or raise
     TransportTimeout after `timeout` seconds in all.
@@ -92,10 +100,19 @@ class Transport:
         """Create `wire_key` with the shape and dtype of `buf` (collective)."""
         raise NotImplementedError
 
-    def push_pull(self, wire_key, send, recv, priority=0):
+    def pieces(self, wire_key):
+        """[(lo, hi), ...]: the element ranges of wire_key's buffer that travel as wire keys
+        of their own, each pushed as soon as it is written (push_pull's in_pieces), or None
+        when the buffer goes whole."""
+        return None
+
+    def push_pull(self, wire_key, send, recv, priority=0, in_pieces=False):
         """Start summing `send` over workers into `recv`; returns a TransferHandle.
 
-        priority: MXNet's priority of the push and pull operators (higher goes first)."""
+        priority: MXNet's priority of the push and pull operators (higher goes first).
+        in_pieces: engine operators queued before this call are writing send's pieces
+        (send.pieces(self.pieces(wire_key))); each piece goes once its writer is done,
+        and nothing waits for the whole of `send`."""
         raise NotImplementedError
 
     def declare_gather(self, wire_key, send, recv):

@@ -75,7 +75,7 @@ class Buffer:
 
     def for_write(self):
         """The NumPy view, after every pending engine read and write has finished."""
-        check_call(_LIB.MXNDArrayWaitToWrite(self.nd.handle))
+        wait_to_write(self.nd)
         return self._np
 
     def held(self):
@@ -84,6 +84,11 @@ class Buffer:
         Waiting there could deadlock: a fill may run on one of the engine's own threads.
         """
         return self._np
+
+
+def wait_to_write(nd):
+    """Block until every pending engine read and write of the NDArray `nd` has finished."""
+    check_call(_LIB.MXNDArrayWaitToWrite(nd.handle))
 
 
 # Elements from which MXNet's `_copy` operator beats NDArray.copyto: its memcpy costs

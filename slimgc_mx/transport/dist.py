@@ -9,7 +9,7 @@ import mxnet as mx
 import numpy as np
 
 from .. import env
-from .base import PiecesHandle, TransferHandle, Transport, wait_readable
+from .base import PiecesHandle, TransferHandle, Transport, piece_bounds, wait_readable
 from .keys import FUSED_BASE, PER_KEY_LIMIT, PIECE_BASE, WireKeyError
 
 log = logging.getLogger(__name__)
@@ -41,14 +41,6 @@ class ServerPrecisionError(RuntimeError):
 # (with 2 servers, every weight of a Dense stack). Unless the user set the variable, the
 # dist transport lowers the bound to 2 MB of lanes (1 MB of float32).
 BIGARRAY_BOUND = 1 << 18
-
-
-def piece_bounds(size, itemsize, piece_bytes):
-    """[(lo, hi), ...] element ranges of at most piece_bytes each, or None for one piece."""
-    per = max(1, piece_bytes // itemsize) if piece_bytes else size
-    if size <= per:
-        return None
-    return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
 
 
 def _rows(buf):
@@ -126,7 +118,11 @@ class DistTransport(Transport):
         self._kv.init(keys, buf.pieces(bounds))
         self._pieces[wire_key] = (keys, bounds)
 
-    def push_pull(self, wire_key, send, recv, priority=0):
+    def pieces(self, wire_key):
+        split = self._pieces.get(wire_key)
+        return None if split is None else split[1]
+
+    def push_pull(self, wire_key, send, recv, priority=0, in_pieces=False):
         split = self._pieces.get(wire_key)
         if split is None:
             self._kv.push(wire_key, send.nd, priority=priority)
@@ -134,8 +130,10 @@ class DistTransport(Transport):
             return TransferHandle(recv)
         keys, bounds = split
         # MXNet pulls each sum into the pushed array itself before copying it to `recv`,
-        # so both buffers are written: wait for the engine's pending access to either.
-        send.for_write()
+        # so both buffers are written: wait for the engine's pending access to either
+        # (in_pieces: the engine orders each piece's push after its writer instead).
+        if not in_pieces:
+            send.for_write()
         recv.for_write()
         sends, recvs = send.pieces(bounds), recv.pieces(bounds)
         for key, s, r in zip(keys, sends, recvs):

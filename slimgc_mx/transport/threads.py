@@ -3,7 +3,7 @@ import threading
 
 import numpy as np
 
-from .base import TransferHandle, Transport, TransportTimeout
+from .base import TransferHandle, Transport, TransportTimeout, piece_bounds
 
 
 class ThreadGroup:
@@ -13,8 +13,9 @@ class ThreadGroup:
     a dist_sync server.
     """
 
-    def __init__(self, num_workers, link=None):
+    def __init__(self, num_workers, link=None, piece_bytes=0):
         self.num_workers = num_workers
+        self.piece_bytes = piece_bytes  # buffers larger than this go as pieces (as dist's)
         # Optional callable(nbytes) -> seconds: an emulated link whose modeled time is
         # reported as the transfer time (TransferHandle.elapsed), so timings are reproducible.
         self.link = link
@@ -68,6 +69,7 @@ class ThreadTransport(Transport):
         self.rank = rank
         self.num_workers = group.num_workers
         self._round = {}
+        self._pieces = {}  # wire key -> element bounds of its pieces
 
     def _next_round(self, key):
         rnd = self._round.get(key, 0)
@@ -75,10 +77,22 @@ class ThreadTransport(Transport):
         return rnd
 
     def declare(self, wire_key, buf):
-        pass
+        bounds = piece_bounds(buf.nd.size, np.dtype(buf.nd.dtype).itemsize,
+                              self._group.piece_bytes)
+        if bounds is not None:
+            self._pieces[wire_key] = bounds
 
-    def push_pull(self, wire_key, send, recv, priority=0):
-        take = self._group.add(wire_key, self._next_round(wire_key), send.for_read())
+    def pieces(self, wire_key):
+        return self._pieces.get(wire_key)
+
+    def push_pull(self, wire_key, send, recv, priority=0, in_pieces=False):
+        if in_pieces:  # summed whole, once every piece's writer is done
+            for nd in send.pieces(self._pieces[wire_key]):
+                nd.wait_to_read()
+            values = send.held()
+        else:
+            values = send.for_read()
+        take = self._group.add(wire_key, self._next_round(wire_key), values)
         link = self._group.link
         return ThreadHandle(recv, take, None if link is None else link(send.nbytes))
 
