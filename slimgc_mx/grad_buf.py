@@ -146,10 +146,11 @@ class GradCheck:
     `ready`: the array the local update writes; `nonfinite` is set before it is readable.
     When the local update also encoded bit_buf (FusedEncode), `encoded` is True,
     `seconds` its time and `nonfinite` 1 if the encoder refused the gradient; `error`
-    holds any other exception of that operator.
+    holds any other exception of that operator; `spans` the (start, end) perf_counter
+    times of each operator's encoding (one per piece of a streamed push).
     """
 
-    __slots__ = ("ready", "nonfinite", "encoded", "seconds", "error")
+    __slots__ = ("ready", "nonfinite", "encoded", "seconds", "error", "spans")
 
     def __init__(self):
         self.ready = None
@@ -157,6 +158,7 @@ class GradCheck:
         self.encoded = False
         self.seconds = 0.0
         self.error = None
+        self.spans = []
 
 
 @dataclass(frozen=True)
@@ -233,8 +235,10 @@ class FusedEncode:
             raise
         if bad and piece is not None:
             mark_nonfinite(out, self.rank)
+        end = time.perf_counter()
         check.nonfinite = (check.nonfinite or 0) + bad
-        check.seconds += time.perf_counter() - start
+        check.seconds += end - start
+        check.spans.append((start, end))
         check.encoded = True
 
 

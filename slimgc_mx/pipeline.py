@@ -32,6 +32,10 @@ from .codecs.base import kernels
 from .grad_buf import GradCheck, Push, mark_nonfinite, nonfinite_sender
 
 
+#: The trace row of work timed inside MXNet's engine (a streamed push's piece encodes).
+ENGINE_ROW = "mxnet-engine"
+
+
 class PipelineError(RuntimeError):
     """A background stage failed; the original exception is chained as __cause__."""
 
@@ -333,6 +337,8 @@ class Pipeline:
                 raise t.check.error
             t.nonfinite = bool(t.check.nonfinite)
             t.t_proc += t.check.seconds
+            for i, (begin, end) in enumerate(t.check.spans):
+                self._span("encode", begin, t, end=end, thread=ENGINE_ROW, piece=i)
         if self._advance(t):
             return True
         start = time.perf_counter()
@@ -353,11 +359,11 @@ class Pipeline:
         self._span("global update", start, t)
         return False
 
-    def _span(self, stage, start, t, **args):
-        """Record `stage` of transfer t from `start` to now, when tracing."""
+    def _span(self, stage, start, t, end=None, **args):
+        """Record `stage` of transfer t from `start` to `end` (default now), when tracing."""
         if self.trace is not None:
-            self.trace.span(stage, start, time.perf_counter(), key=t.label, step=t.step,
-                            **args)
+            self.trace.span(stage, start, time.perf_counter() if end is None else end,
+                            key=t.label, step=t.step, **args)
 
     def _advance(self, t):
         """Check the finished round's result; when the codec has a further round, write its

@@ -37,22 +37,23 @@ class Trace:
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
 
-    def _tid(self):
-        name = threading.current_thread().name
+    def _tid(self, name=None):
+        name = name or threading.current_thread().name
         with self._lock:
             tid = self._tids.get(name)
             if tid is None:
                 tid = self._tids[name] = len(self._tids) + 1
         return tid
 
-    def span(self, stage, t0, t1, key=None, step=None, **args):
-        """A span of `stage` from perf_counter() t0 to t1 on the calling thread."""
+    def span(self, stage, t0, t1, key=None, step=None, thread=None, **args):
+        """A span of `stage` from perf_counter() t0 to t1 on the calling thread's row, or
+        on the row named `thread` (work another thread timed: MXNet's engine)."""
         if key is not None:
             args["key"] = key
         if step is not None:
             args["step"] = step
         self._events.append({"name": stage, "cat": "slimgc", "ph": "X", "pid": self.rank,
-                             "tid": self._tid(), "ts": (t0 - self._t0) * 1e6,
+                             "tid": self._tid(thread), "ts": (t0 - self._t0) * 1e6,
                              "dur": max(0.0, t1 - t0) * 1e6, "args": args})
 
     def events(self):

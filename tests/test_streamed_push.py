@@ -147,3 +147,31 @@ def test_an_error_in_one_pieces_operator_fails_every_worker_without_updating():
     assert "injected" in str(err1.__cause__)
     np.testing.assert_array_equal(before0, after0)
     np.testing.assert_array_equal(before1, after1)
+
+
+def test_the_trace_shows_each_pieces_encode_before_its_transfer_ends(tmp_path):
+    import json
+    from slimgc_mx import trace
+
+    path = str(tmp_path / "run.json")
+    results = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(6),
+                                piece_bytes=64, compressor="2bit", comm_threshold="off",
+                                warmup_steps=2, trace=path)
+    streamed = results[0][1]["streamed_transfers"]
+    assert streamed > 0
+    with open(trace.rank_path(path, 0)) as f:
+        events = json.load(f)["traceEvents"]
+    rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    pieces = [e for e in spans if e["name"] == "encode" and "piece" in e["args"]]
+    assert {rows[e["tid"]] for e in pieces} == {"mxnet-engine"}
+    ends = {(e["args"]["key"], e["args"]["step"]): e["ts"] + e["dur"] for e in spans
+            if e["name"] == "transfer"}
+    by_push = {}
+    for e in pieces:
+        by_push.setdefault((e["args"]["key"], e["args"]["step"]), []).append(e)
+    assert len(by_push) == streamed
+    for push, encodes in by_push.items():
+        assert sorted(e["args"]["piece"] for e in encodes) == list(range(len(encodes)))
+        assert len(encodes) > 1
+        assert max(e["ts"] + e["dur"] for e in encodes) <= ends[push]
