@@ -8,13 +8,21 @@ closes; each rank writes FILE with `.rankN` before its extension, and
 
     python -m slimgc_mx.trace merge OUT.json trace.rank0.json trace.rank1.json
 
-puts the ranks side by side (one process row each). docs/trace.md shows one.
+puts the ranks side by side (one process row each), and
+
+    python -m slimgc_mx.trace cycles --first-step 12 trace.rank0.json
+
+prints each key's median cycle (local update -> sums back -> published). docs/trace.md
+shows one.
 """
+import argparse
 import json
 import os
+import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 #: The stages a span can name, in pipeline order (docs/trace.md says what each covers).
 STAGES = ("local update", "encode", "transfer", "decode", "global update")
@@ -99,14 +107,71 @@ def merge(out, paths):
     return len(events)
 
 
+@dataclass
+class KeyCycle:
+    """Medians over the steps of one key in one rank's trace, in ms from its local update
+    (queued on the training thread): until its sums were back, and until its global
+    update had published (the key's cycle); `transfer`: the transfer spans' own length."""
+
+    key: str
+    steps: int
+    sums_back: float
+    cycle: float
+    transfer: float
+    pieces: int  # encode spans of a streamed push (0: encoded whole)
+
+
+def cycles(path, first_step=0):
+    """A KeyCycle per key of a rank's trace that has a local update, transfer and global
+    update at steps >= first_step (leave the warm-up out)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    pushes = {}
+    for e in events:
+        args = e.get("args", {})
+        if e.get("ph") == "X" and args.get("step", -1) >= first_step:
+            pushes.setdefault((args["key"], args["step"]), {}).setdefault(e["name"], []).append(e)
+    rows = {}
+    for (key, _), spans in pushes.items():
+        if not {"local update", "transfer", "global update"} <= set(spans):
+            continue
+        start = spans["local update"][0]["ts"]
+        ends = {name: max(e["ts"] + e["dur"] for e in spans[name]) for name in spans}
+        first = min(e["ts"] for e in spans["transfer"])
+        pieces = sum("piece" in e["args"] for e in spans.get("encode", []))
+        rows.setdefault(key, []).append((ends["transfer"] - start, ends["global update"] - start,
+                                         ends["transfer"] - first, pieces))
+    return [KeyCycle(key, len(r), *(statistics.median(x[i] for x in r) / 1e3 for i in range(3)),
+                     max(x[3] for x in r)) for key, r in sorted(rows.items())]
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 3 or argv[0] != "merge":
-        print("usage: python -m slimgc_mx.trace merge OUT.json RANK_FILE.json...",
-              file=sys.stderr)
-        return 2
-    n = merge(argv[1], argv[2:])
-    print("%s: %d events from %d files" % (argv[1], n, len(argv) - 2))
+    p = argparse.ArgumentParser(prog="python -m slimgc_mx.trace", description=__doc__.split(
+        "\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="put several ranks' files side by side in one trace")
+    m.add_argument("out", help="the merged trace to write")
+    m.add_argument("files", nargs="+", help="the ranks' trace files")
+    c = sub.add_parser("cycles", help="per key, medians in ms from its local update until "
+                       "its sums are back and until its global update has published")
+    c.add_argument("files", nargs="+", help="trace files (one rank each)")
+    c.add_argument("--first-step", type=int, default=0,
+                   help="leave out earlier steps, e.g. the warm-up (default: %(default)s)")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code
+    if args.command == "merge":
+        n = merge(args.out, args.files)
+        print("%s: %d events from %d files" % (args.out, n, len(args.files)))
+        return 0
+    print("| file | key | steps | to sums back, ms | cycle, ms | transfer, ms | pieces |")
+    print("|---|---|---|---|---|---|---|")
+    for path in args.files:
+        for r in cycles(path, args.first_step):
+            print("| %s | %s | %d | %.0f | %.0f | %.0f | %d |" % (
+                os.path.basename(path), r.key, r.steps, r.sums_back, r.cycle, r.transfer,
+                r.pieces))
     return 0
 
 

@@ -52,3 +52,24 @@ def test_merge_refuses_other_json(tmp_path, capsys):
         trace.merge(str(tmp_path / "o.json"), [str(bad)])
     assert trace.main(["merge"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_cycles_are_medians_from_the_local_update(tmp_path, capsys):
+    t = trace.Trace(str(tmp_path / "t.json"))
+    base = t._t0
+    for step, (lu, tr0, tr1, gu1) in enumerate([(0, 1, 4, 5), (10, 12, 20, 21), (30, 30, 33, 40)]):
+        ms = lambda x: base + x / 1e3  # noqa: E731
+        t.span("local update", ms(lu), ms(lu + 0.5), key="w", step=step)
+        t.span("encode", ms(lu), ms(tr0), key="w", step=step, thread="mxnet-engine", piece=0)
+        t.span("encode", ms(lu), ms(tr0), key="w", step=step, thread="mxnet-engine", piece=1)
+        t.span("transfer", ms(tr0), ms(tr1), key="w", step=step, round=0)
+        t.span("global update", ms(tr1), ms(gu1), key="w", step=step)
+    t.span("transfer", base, base + 1, key="w", step=3)  # no local update: left out
+    path = t.write()
+    (row,) = trace.cycles(path)
+    assert (row.key, row.steps, row.pieces) == ("w", 3, 2)
+    # sums back 4, 10, 3 -> 4; cycle 5, 11, 10 -> 10; transfer 3, 8, 3 -> 3
+    assert (row.sums_back, row.cycle, row.transfer) == pytest.approx((4, 10, 3), abs=1e-6)
+    assert [r.steps for r in trace.cycles(path, first_step=1)] == [2]
+    assert trace.main(["cycles", path]) == 0
+    assert "| t.rank0.json | w | 3 | 4 | 10 | 3 | 2 |" in capsys.readouterr().out
