@@ -145,7 +145,8 @@ class GradCheck:
 
     `ready`: the array the local update writes; `nonfinite` is set before it is readable.
     When the local update also encoded bit_buf (FusedEncode), `encoded` is True,
-    `seconds` its time and `nonfinite` 1 if the encoder refused the gradient; `error`
+    `seconds` its time and `nonfinite` the number of its operators (one per piece of a
+    streamed push, else one) whose encoder refused the gradient; `error`
     holds any other exception of that operator; `spans` the (start, end) perf_counter
     times of each operator's encoding (one per piece of a streamed push).
     """
