@@ -145,21 +145,24 @@ class GradCheck:
 
     `ready`: the array the local update writes; `nonfinite` is set before it is readable.
     When the local update also encoded bit_buf (FusedEncode), `encoded` is True,
-    `seconds` its time and `nonfinite` the number of its operators (one per piece of a
-    streamed push, else one) whose encoder refused the gradient; `error`
-    holds any other exception of that operator; `spans` the (start, end) perf_counter
-    times of each operator's encoding (one per piece of a streamed push).
+    `spans` the (start, end) perf_counter times of each of its operators' encoding (one
+    per piece of a streamed push, else one), `seconds` their total and `nonfinite` the
+    number of them whose encoder refused the gradient; `error` holds any other
+    exception of those operators.
     """
 
-    __slots__ = ("ready", "nonfinite", "encoded", "seconds", "error", "spans")
+    __slots__ = ("ready", "nonfinite", "encoded", "error", "spans")
 
     def __init__(self):
         self.ready = None
         self.nonfinite = None
         self.encoded = False
-        self.seconds = 0.0
         self.error = None
         self.spans = []
+
+    @property
+    def seconds(self):
+        return sum(end - start for start, end in self.spans)
 
 
 @dataclass(frozen=True)
@@ -236,10 +239,8 @@ class FusedEncode:
             raise
         if bad and piece is not None:
             mark_nonfinite(out, self.rank)
-        end = time.perf_counter()
         check.nonfinite = (check.nonfinite or 0) + bad
-        check.seconds += end - start
-        check.spans.append((start, end))
+        check.spans.append((start, time.perf_counter()))
         check.encoded = True
 
 
