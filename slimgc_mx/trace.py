@@ -85,15 +85,21 @@ class Trace:
         return path
 
 
+def read(path):
+    """The JSON document of a trace file; ValueError naming the file if it is none."""
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except ValueError as exc:
+            raise ValueError("%s is not a slimgc trace (not JSON: %s)" % (path, exc)) from None
+    if not isinstance(doc, dict) or "traceEvents" not in doc:
+        raise ValueError("%s is not a slimgc trace (no traceEvents)" % path)
+    return doc
+
+
 def merge(out, paths):
     """One trace of several ranks' files, aligned on their wall-clock starts."""
-    docs = []
-    for p in paths:
-        with open(p) as f:
-            doc = json.load(f)
-        if "traceEvents" not in doc:
-            raise ValueError("%s is not a slimgc trace (no traceEvents)" % p)
-        docs.append(doc)
+    docs = [read(p) for p in paths]
     start = min(d.get("otherData", {}).get("wall_clock_start", 0.0) for d in docs)
     events = []
     for d in docs:
@@ -124,8 +130,7 @@ class KeyCycle:
 def cycles(path, first_step=0):
     """A KeyCycle per key of a rank's trace that has a local update, transfer and global
     update at steps >= first_step (leave the warm-up out)."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    events = read(path)["traceEvents"]
     pushes = {}
     for e in events:
         args = e.get("args", {})
@@ -161,17 +166,21 @@ def main(argv=None):
         args = p.parse_args(argv)
     except SystemExit as exc:
         return exc.code
-    if args.command == "merge":
-        n = merge(args.out, args.files)
-        print("%s: %d events from %d files" % (args.out, n, len(args.files)))
-        return 0
+    try:
+        if args.command == "merge":
+            n = merge(args.out, args.files)
+            print("%s: %d events from %d files" % (args.out, n, len(args.files)))
+            return 0
+        rows = [(path, r) for path in args.files for r in cycles(path, args.first_step)]
+    except (OSError, ValueError) as exc:
+        print("%s: error: %s" % (p.prog, exc), file=sys.stderr)
+        return 2
     print("| file | key | steps | to sums back, ms | cycle, ms | transfer, ms | pieces |")
     print("|---|---|---|---|---|---|---|")
-    for path in args.files:
-        for r in cycles(path, args.first_step):
-            print("| %s | %s | %d | %.0f | %.0f | %.0f | %d |" % (
-                os.path.basename(path), r.key, r.steps, r.sums_back, r.cycle, r.transfer,
-                r.pieces))
+    for path, r in rows:
+        print("| %s | %s | %d | %.0f | %.0f | %.0f | %d |" % (
+            os.path.basename(path), r.key, r.steps, r.sums_back, r.cycle, r.transfer,
+            r.pieces))
     return 0
 
 

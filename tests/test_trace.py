@@ -52,6 +52,13 @@ def test_merge_refuses_other_json(tmp_path, capsys):
         trace.merge(str(tmp_path / "o.json"), [str(bad)])
     assert trace.main(["merge"]) == 2
     assert "usage" in capsys.readouterr().err
+    not_json = tmp_path / "y.json"
+    not_json.write_text("traceEvents")
+    for args in (["cycles", str(bad)], ["cycles", str(not_json)],
+                 ["merge", str(tmp_path / "o.json"), str(tmp_path / "missing.json")]):
+        assert trace.main(args) == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and ("not a slimgc trace" in err or "missing.json" in err)
 
 
 def test_cycles_are_medians_from_the_local_update(tmp_path, capsys):
