@@ -75,19 +75,22 @@ def build_parser():
                         "benchmark baseline: bash scripts/run.sh horovod installs it); "
                         "local: one process, no communication")
     g.add_argument("--compressor", choices=COMPRESSORS, default=None,
-                   help="gradient codec; default 2bit for slimgc, none otherwise "
+                   help="gradient codec; default for slimgc: SLIMGC_COMPRESSOR, else 2bit; "
+                        "none otherwise "
                         "(dist_sync hands it to MXNet's own gradient compression; horovod "
                         "takes none or fp16, Horovod's own compression)")
-    g.add_argument("--threshold", type=float, default=0.5,
-                   help="compressor threshold (quantization level scale)")
+    g.add_argument("--threshold", type=float, default=None,
+                   help="compressor threshold (quantization level scale); default: "
+                        "SLIMGC_THRESHOLD, else the library's 0.5")
     g.add_argument("--codec-option", action="append", default=[], metavar="NAME=VALUE",
                    help="slimgc: an option of the codec (docs/codecs.md), e.g. ratio=0.1 for "
                         "topk; repeatable")
-    g.add_argument("--comm-threshold", type=comm_threshold, default="auto",
+    g.add_argument("--comm-threshold", type=comm_threshold, default=None,
                    metavar="auto|BYTES|off|FILE",
                    help="slimgc: tensors smaller than this go uncompressed; auto = measured "
                         "during warm-up (CTTab), off = compress every tensor, FILE = replay the "
-                        "decision saved in FILE (the .cttab.json beside an earlier --json)")
+                        "decision saved in FILE (the .cttab.json beside an earlier --json); "
+                        "default: SLIMGC_COMM_THRESHOLD, else auto")
     g.add_argument("--no-backup", action="store_true",
                    help="slimgc: disable model backup (the next forward pass waits for the "
                         "global weights)")
@@ -175,16 +178,21 @@ def make_kvstore(args):
         kv = mx.kv.create("dist_sync")
         params = None
         if args.compressor != "none":
-            params = {"type": args.compressor, "threshold": args.threshold}
+            params = {"type": args.compressor,
+                      "threshold": 0.5 if args.threshold is None else args.threshold}
         return kv, params
+    # Only what this command line sets: the rest comes from SLIMGC_* or the defaults, by the
+    # library's one rule (docs/configuration.md, "Where a setting comes from").
+    given = {"type": args.compressor, "threshold": args.threshold,
+             "comm_threshold": args.comm_threshold, "fuse_compressed": args.fuse_compressed,
+             "backup": False if args.no_backup else None,
+             "offload": False if args.no_offload else None,
+             "fuse": False if args.no_fuse else None}
+    params = {k: v for k, v in given.items() if v is not None}
+    params.update(codec_options(args.codec_option))
     kv = mx.kv.create("slimgc")
-    params = {"type": args.compressor, "threshold": args.threshold,
-              **codec_options(args.codec_option),
-              "comm_threshold": args.comm_threshold,
-              "backup": not args.no_backup, "offload": not args.no_offload,
-              "fuse": not args.no_fuse}
-    if args.fuse_compressed is not None:
-        params["fuse_compressed"] = args.fuse_compressed
+    kv.set_gradient_compression(params)  # Trainer sets the same again; resolved here for main
+    args.compressor = kv.config.compressor
     return kv, params
 
 
@@ -276,10 +284,10 @@ def main(argv=None, on_step=None):
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.compressor is None:
-        args.compressor = "2bit" if args.kvstore == "slimgc" else "none"
+    if args.compressor is None and args.kvstore != "slimgc":
+        args.compressor = "none"
     if args.kvstore != "slimgc" and (args.no_backup or args.no_offload or args.no_fuse
-                                     or args.comm_threshold != "auto"
+                                     or args.comm_threshold is not None
                                      or args.fuse_compressed is not None):
         warnings.warn("--comm-threshold/--no-backup/--no-offload/--no-fuse/--fuse-compressed "
                       "apply to --kvstore slimgc only")
@@ -321,7 +329,7 @@ def main(argv=None, on_step=None):
     trainer_cls = PushThenPullTrainer if native_compression else gluon.Trainer
     momentum = args.momentum
     if compression_params is not None and args.kvstore == "slimgc" and codecs.create(
-            args.compressor, **codec_options(args.codec_option)).owns_momentum:
+            kv.config.compressor, **kv.config.codec_options).owns_momentum:
         # the codec applies momentum itself (dgc's momentum correction): it takes --momentum
         compression_params.setdefault("momentum", momentum)
         momentum = 0.0

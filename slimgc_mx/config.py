@@ -1,7 +1,10 @@
 """SlimGCConfig: every option of the kvstore, validated once, from one of three sources.
 
-Precedence (later wins): defaults < SLIMGC_* environment (read through env.py) <
-constructor kwargs / Trainer's `compression_params`.
+The rule (docs/configuration.md, "Where a setting comes from"): the script's explicit
+parameters (constructor keywords, Trainer's `compression_params`) win over SLIMGC_*
+environment variables (read through env.py), which win over the defaults. A variable
+that loses is said out loud, once; codec options set in the environment for a codec that
+lost go with it.
 """
 import dataclasses
 import math
@@ -9,7 +12,7 @@ import threading
 import warnings
 from typing import Optional, Union
 
-from . import codecs, env
+from . import codecs, env, notice
 from .lanes32 import LANE_DTYPES
 from .threshold import check_rule, load_decision
 
@@ -95,11 +98,12 @@ class SlimGCConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_sources(cls, options=None, environ=None):
-        """Build from SLIMGC_* variables in `environ`, overridden by `options` (a dict).
+    def from_sources(cls, options=None, environ=None, source="keyword arguments"):
+        """Build from SLIMGC_* variables in `environ`, overridden by `options` (a dict of the
+        script's explicit parameters, named `source` in messages).
 
-        A SLIMGC_* variable that names no option is warned about, once, with the
-        closest valid name.
+        A SLIMGC_* variable that names no option is warned about, once, with the closest
+        valid name; one that an explicit parameter overrides is told once (notice.tell).
         """
         for var, close in env.unknown_variables(cls.field_names(), environ):
             if var not in _WARNED:
@@ -107,9 +111,13 @@ class SlimGCConfig:
                 warnings.warn("%s is not a slimgc option and is ignored%s" % (
                     var, "; did you mean %s?" % close if close else
                     " (docs/configuration.md lists the SLIMGC_* variables)"), stacklevel=3)
-        values = {name: _parse(name, raw, env.OPTION_PREFIX + name.upper())
-                  for name, raw in env.option_variables(cls.field_names(), environ).items()}
-        values.update(normalize_options(options or {}))
+        raw = env.option_variables(cls.field_names(), environ)
+        values = {name: _parse(name, text, env.OPTION_PREFIX + name.upper())
+                  for name, text in raw.items()}
+        values, messages = _merge(values, raw, normalize_options(options or {}),
+                                  options or {}, source)
+        for message in messages:
+            notice.tell(message, once=True)
         return cls(**values)
 
     def replace(self, options):
@@ -217,6 +225,61 @@ def normalize_options(options):
     if isinstance(out.get("comm_threshold"), float) and out["comm_threshold"].is_integer():
         out["comm_threshold"] = int(out["comm_threshold"])
     return out
+
+
+def _merge(values, raw, explicit, given, source):
+    """The environment's parsed `values` (`raw` as set) under the `explicit` parameters
+    (`given` as the script wrote them): (merged values, a message per variable that lost).
+
+    Codec options merge by name; those of an environment compressor that the script
+    replaced go with it. One the final codec does not have raises, naming its variable."""
+    merged, messages = dict(values), []
+    for name, value in explicit.items():
+        if name in values and name != "codec_options" and value != values[name]:
+            messages.append("%s%s=%s is overridden by %s %s" % (
+                env.OPTION_PREFIX, name.upper(), raw[name], source, _given(name, value, given)))
+    env_opts, mine = values.get("codec_options") or {}, explicit.get("codec_options") or {}
+    if env_opts and values.get("compressor", explicit.get("compressor")) != explicit.get(
+            "compressor", values.get("compressor")):  # both set, and the script's differs
+        messages.append("%sCODEC_OPTIONS=%s goes with %sCOMPRESSOR=%s, which %s %s overrides: "
+                        "those codec options are not used" % (
+                            env.OPTION_PREFIX, raw["codec_options"], env.OPTION_PREFIX,
+                            raw["compressor"], source,
+                            _given("compressor", explicit["compressor"], given)))
+        env_opts = {}
+    for name in sorted(set(env_opts) & set(mine)):
+        if str(mine[name]) != str(env_opts[name]):
+            messages.append("%sCODEC_OPTIONS %s=%s is overridden by %s %s=%r" % (
+                env.OPTION_PREFIX, name, env_opts[name], source, name, mine[name]))
+    merged.update(explicit)
+    merged["codec_options"] = {**env_opts, **mine}
+    where = ("%s %s" % (source, _given("compressor", explicit["compressor"], given))
+             if "compressor" in explicit else "%sCOMPRESSOR=%s" % (
+                 env.OPTION_PREFIX, raw["compressor"]) if "compressor" in raw else "the default")
+    _check_environment_codec_options(env_opts, merged.get("compressor", "2bit"), raw, where)
+    return merged, messages
+
+
+def _given(name, value, given):
+    """How the script wrote option `name` (its own key, e.g. 'type' for the compressor)."""
+    for key in given:
+        if _ALIASES.get(key, key) == name:
+            return "%s=%r" % (key, given[key])
+    return "%s=%r" % (name, value)
+
+
+def _check_environment_codec_options(env_opts, compressor, raw, where):
+    """A codec option set in the environment that the chosen codec (chosen by `where`) does
+    not have is an error naming the variable, not a codec's bare refusal."""
+    if compressor not in codecs.available():
+        return  # validate() names the unknown compressor
+    unknown = sorted(set(env_opts) - set(codecs.option_names(compressor)))
+    if unknown:
+        raise ValueError("%sCODEC_OPTIONS=%s sets %s, which codec %r (%s) does not have "
+                         "(its options: %s); unset the variable or choose the codec it was "
+                         "meant for" % (env.OPTION_PREFIX, raw["codec_options"],
+                                        ", ".join(unknown), compressor, where,
+                                        ", ".join(codecs.option_names(compressor)) or "none"))
 
 
 def _parse(name, raw, where):

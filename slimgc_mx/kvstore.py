@@ -29,6 +29,7 @@ class SlimGC(KVStoreBase):
     """
 
     def __init__(self, transport=None, **options):
+        self._options = dict(options)  # the script's explicit parameters (configuration.md)
         self.config = SlimGCConfig.from_sources(options)
         # Plain sums (no optimizer) are compressed only when the user chose a compressor.
         self._compressor_chosen = ("compressor" in options or "type" in options
@@ -84,7 +85,8 @@ class SlimGC(KVStoreBase):
         if self._agg is not None and self._agg.planner.keys:
             raise RuntimeError("set_gradient_compression must be called before any key is "
                                "initialized (gluon.Trainer does so itself)")
-        self.config = self.config.replace(compression_params)
+        self._options.update(compression_params)
+        self.config = SlimGCConfig.from_sources(self._options, source="compression_params")
         self._compressor_chosen |= "type" in compression_params or "compressor" in compression_params
 
     def set_optimizer(self, optimizer):
