@@ -15,7 +15,7 @@ from functools import partial
 
 import numpy as np
 
-from . import agreement, codecs, lanes32
+from . import agreement, codecs, lanes32, notice
 from .backup import ModelBackup
 from .grad_buf import FusedEncode, GradCheck, Push, mark_nonfinite, stream_pieces
 from .pipeline import Pipeline, TransferStats
@@ -274,6 +274,8 @@ class Aggregator:
         step = self.planner.steps[key]
         if self.cttab.needs_decision(step):
             self.decide_threshold()
+        elif step == 0 and self.planner.keys[key].index == 0 and self.cttab.phase == "trained":
+            self._tell_routes()  # comm_threshold fixed or replayed: the routes hold from now
         every = self.config.audit_every
         if every and step and step % every == 0 and self.planner.keys[key].index == 0:
             self.audit(step)
@@ -324,6 +326,12 @@ class Aggregator:
         votes = self.transport.allgather([-1.0 if mine == NEVER else float(mine)])
         chosen = votes[0, 0]
         self.cttab.adopt(NEVER if chosen < 0 else int(chosen))
+        self._tell_routes()
+
+    def _tell_routes(self):
+        """Rank 0 tells the user what the CTTab compresses, whatever their logging setup."""
+        if self.codec is not None and self.transport.rank == 0:
+            notice.tell(self.planner.route_summary())
 
     def audit(self, step):
         """Consistency audit: all workers compare a checksum of every key's global weights."""

@@ -26,6 +26,7 @@ import numpy as np
 from .codecs.rng import key_seed
 from .grad_buf import KeyBuffers, Push, WireRound, add_lanes32
 from .pipeline import Transfer
+from .threshold import format_bytes
 from .transport.keys import KeyWire
 
 log = logging.getLogger(__name__)
@@ -256,6 +257,21 @@ class Planner:
         return self.fused is not None and any(
             m is b for bucket in self.fused.buckets if bucket.codec is not None
             for m in bucket.members.values())
+
+    def route_summary(self):
+        """One line for the user: the CTTab's BestCT, its reason, and how many tensors (and
+        bytes) it compresses, with the way to force compression when it compresses none."""
+        cut = self.cttab.best_ct
+        keys = list(self.keys.values())
+        chosen = [b for b in keys if b.codec is not None and b.nbytes >= cut]
+        total = sum(b.nbytes for b in keys)
+        text = "CTTab: BestCT = %s (%s); %d of %d tensors compressed (%s of %s)" % (
+            format_bytes(cut), self.cttab.reason, len(chosen), len(keys),
+            format_bytes(sum(b.nbytes for b in chosen)), format_bytes(total))
+        if not chosen and self.codec is not None:
+            text += ("; %s compresses nothing here: comm_threshold='off' compresses every "
+                     "tensor (docs/usage.md)" % self.codec.name)
+        return text
 
     def label(self, key):
         """How messages name a key: its parameter's name, else 'key 3'."""
