@@ -143,7 +143,7 @@ class GradCheck:
     """The local update's count of NaN/Inf in grad_buf, so that the encoder need not read
     grad_buf a second time (its pre-check is a full pass over the gradient).
 
-    `ready`: the array the local update writes; `nonfinite` is set before it is readable.
+    `ready`: the host array the local update writes; `nonfinite` is set before it is readable.
     When the local update also encoded bit_buf (FusedEncode), `encoded` is True,
     `spans` the (start, end) perf_counter times of each of its operators' encoding (one
     per piece of a streamed push, else one), `seconds` their total and `nonfinite` the

@@ -82,13 +82,13 @@ class Transfer:
     #                         piece pushed once it is encoded: enters the pipeline at once
 
     def ready_array(self):
-        """The NDArray the transfer waits for before it enters (its producer's output)."""
+        """The host array the transfer waits for before it enters (its producer's output)."""
         b = self.buffers
         if self.check is not None:
             return self.check.ready
         if self.compressed and b.device is not None:
-            return self.exchange.send.nd  # encoded on the training thread
-        return b.grad_buf.nd
+            return self.exchange.send  # encoded on the training thread
+        return b.grad_buf
 
     @property
     def exchange(self):

@@ -93,7 +93,7 @@ class SGDKernel:
         With `engine` (an EngineNotifier) the pass runs as an operator once `grad` is
         ready, so the calling thread does not wait for backward; without, it runs here.
         `check` (a grad_buf.GradCheck) gets the count of NaN/Inf in `grad`, set before
-        `out` is readable, and `out.nd` as the array to wait for. `encoder` (a
+        `out` is readable, and `out` as the array to wait for. `encoder` (a
         grad_buf.FusedEncode) encodes `grad` in the same pass, filling `check`, with one
         operator per piece when it has pieces; `grad` may then be MXNet's own gradient
         (transport.ArrayInPlace).
@@ -104,7 +104,7 @@ class SGDKernel:
         reads = [buf.nd for buf in [grad, weight] + ([mom] if mom is not None else [])]
         parts = encoder.parts() if encoder is not None else [(None, [])]
         if check is not None:
-            check.ready = out.nd
+            check.ready = out
 
         def run(piece):
             m = mom.held() if mom is not None else None

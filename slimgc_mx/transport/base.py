@@ -20,7 +20,7 @@ class TransferHandle:
         self.elapsed = elapsed  # set by emulated links: the modeled transfer time
 
     def wait(self):
-        self._recv.nd.wait_to_read()
+        self._recv.for_read()
 
 
 class PiecesHandle(TransferHandle):

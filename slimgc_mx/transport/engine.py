@@ -135,9 +135,10 @@ class EngineNotifier:
             self._callbacks[token] = callback
         return ctypes.c_void_p(token)
 
-    def when_readable(self, nd, callback, priority=0):
-        """Call callback() on an engine thread once every pending write of `nd` is done."""
-        self.run(callback, [nd], [], priority)
+    def when_readable(self, buf, callback, priority=0):
+        """Call callback() on an engine thread once every pending write of the Buffer `buf`
+        is done (backend.Readiness)."""
+        self.run(callback, [buf.nd], [], priority)
 
     def run(self, fn, reads, writes, priority=0):
         """Call fn() on an engine thread after the pending writes of `reads` and all pending

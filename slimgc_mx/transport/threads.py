@@ -77,8 +77,8 @@ class ThreadTransport(Transport):
         return rnd
 
     def declare(self, wire_key, buf):
-        bounds = piece_bounds(buf.nd.size, np.dtype(buf.nd.dtype).itemsize,
-                              self._group.piece_bytes)
+        view = buf.held()
+        bounds = piece_bounds(view.size, view.itemsize, self._group.piece_bytes)
         if bounds is not None:
             self._pieces[wire_key] = bounds
 

@@ -1,0 +1,44 @@
+"""HostBuffer: a HostArray (backend.py) on plain NumPy memory, for a process with no
+framework's engine: every access is immediate, so the engine's pipeline, backup and
+transports run on it in tests without MXNet or PyTorch."""
+import numpy as np
+
+
+class HostBuffer:
+    """A flat NumPy array in the shape of a HostArray; no framework writes it behind our back."""
+
+    def __init__(self, shape, dtype=np.float32):
+        self.shape = tuple(int(n) for n in shape)
+        self._np = np.zeros(int(np.prod(self.shape)), dtype=np.dtype(dtype))
+
+    @property
+    def nbytes(self):
+        return self._np.nbytes
+
+    def for_read(self):
+        return self._np
+
+    def for_write(self):
+        return self._np
+
+    def held(self):
+        return self._np
+
+    def view(self, offset, shape):
+        """A HostBuffer over elements [offset, offset + prod(shape)), sharing this memory."""
+        size = int(np.prod(shape))
+        if offset < 0 or offset + size > self._np.size:
+            raise ValueError("view [%d, %d) outside a buffer of %d elements"
+                             % (offset, offset + size, self._np.size))
+        out = HostBuffer.__new__(HostBuffer)
+        out.shape = tuple(int(n) for n in shape)
+        out._np = self._np[offset:offset + size]
+        return out
+
+
+class HostReadiness:
+    """backend.Readiness for host arrays that no framework writes: ready at once."""
+
+    @staticmethod
+    def when_readable(buf, callback, priority=0):
+        callback()

@@ -1,0 +1,72 @@
+"""The backend protocol (backend.py, docs/backend.md): the engine's host side runs on plain
+NumPy host arrays over a thread Collective with no framework loaded, every codec's sums
+bitwise its NumPy reference's; MXNet's classes are implementations of the same seams."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import host_engine
+from codec_contract import assert_same, run_steps
+from slimgc_mx import backend, codecs
+from slimgc_mx.transport import (HostBuffer, HostReadiness, LocalTransport, ThreadGroup,
+                                 TransferHandle)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAPES = {"powersgd": (64, 65)}  # low-rank factors need a matrix
+FLOAT_SUMS = ("randomk", "powersgd")  # send float32 values, whose sum depends on the order
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+@pytest.mark.parametrize("name", [n for n in codecs.available() if n != "none"])
+def test_every_codec_through_the_host_engine_is_its_reference(name, num_workers):
+    shape = SHAPES.get(name, (4097,))
+    size = int(np.prod(shape))
+    history = run_steps(name, num_workers, size, 3, {}, seed=5, reference=True, shape=shape)
+    sums = host_engine.run(name, {}, shape, num_workers, [h["grads"] for h in history])
+    for step, h in enumerate(history):
+        for rank in range(num_workers):
+            assert_same(sums[step][rank], sums[step][0], "%s: ranks decode alike" % name)
+            if name in FLOAT_SUMS and num_workers > 2:
+                # float32 values added in arrival order, as servers add them: not bitwise
+                np.testing.assert_allclose(sums[step][rank], h["decoded"][0], rtol=1e-5,
+                                           atol=1e-6)
+            else:
+                assert_same(sums[step][rank], h["decoded"][0],
+                            "%s: sum of step %d on rank %d" % (name, step, rank))
+
+
+def test_the_host_engine_loads_no_framework():
+    code = ("import sys, numpy as np, host_engine\n"
+            "g = [[np.full(300, r + 1, np.float32) for r in range(2)] for _ in range(2)]\n"
+            "sums = host_engine.run('2bit', {}, (300,), 2, g)\n"
+            "assert sums[1][0].shape == (300,)\n"
+            "print(sorted(m for m in ('mxnet', 'torch') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]"
+
+
+def test_host_and_thread_classes_implement_the_protocol():
+    buf = HostBuffer((3, 4))
+    assert isinstance(buf, backend.HostArray) and buf.nbytes == 48
+    assert isinstance(buf.view(4, (2, 2)), backend.HostArray)
+    buf.view(4, (2, 2)).for_write()[:] = 7
+    assert buf.for_read().tolist() == [0] * 4 + [7] * 4 + [0] * 4
+    with pytest.raises(ValueError, match="outside a buffer of 12 elements"):
+        buf.view(10, (3,))
+    assert isinstance(ThreadGroup(2).transport(1), backend.Collective)
+    assert isinstance(LocalTransport(), backend.Collective)
+    assert isinstance(TransferHandle(buf), backend.Work)
+    assert isinstance(HostReadiness(), backend.Readiness)
+
+
+def test_mxnet_classes_implement_the_protocol():
+    pytest.importorskip("mxnet")
+    from slimgc_mx.transport import ArrayOps, Buffer, EngineNotifier
+    assert isinstance(Buffer((2, 2), np.float32), backend.HostArray)
+    assert isinstance(EngineNotifier(), backend.Readiness)
+    assert isinstance(ArrayOps(), backend.Arrays)
