@@ -90,15 +90,18 @@ class Readiness(Protocol):
 
 @runtime_checkable
 class Arrays(Protocol):
-    """The framework's arrays as the engine sees them: host buffers, copies queued in the
-    framework's order (a gradient into grad_buf, loc_buf or w_i into the parameters), and,
-    where the framework runs asynchronously, write holds that make its next reader wait
-    for the global weights without blocking the training thread."""
+    """The framework's arrays as the engine sees them: host buffers and the framework's
+    array over one (`array`), copies queued in the framework's order (a gradient into
+    grad_buf, loc_buf or w_i into the parameters), and, where the framework runs
+    asynchronously, write holds that make its next reader wait for the global weights
+    without blocking the training thread."""
 
     can_hold: bool
 
     def new(self, shape: Sequence[int]) -> HostArray: ...
 
+    def array(self, buf: HostArray) -> Any: ...
+
     def copy(self, src: Any, dst: Any) -> None: ...
 
-    def hold(self, array: Any) -> Any: ...
+    def hold(self, buf: HostArray) -> Any: ...

@@ -11,8 +11,9 @@ publishes version i+1. With backup off the parameters get w_{i+1} (synchronous
 SGD); the training thread does not wait for it: a write hold in MXNet's engine
 makes the next forward pass wait instead, as MXNet's own kvstore does.
 
-The state machine knows nothing of MXNet: the arrays it touches come through
-`arrays` (transport.ArrayOps for MXNet), so it runs and is tested on any arrays.
+The state machine knows nothing of a framework: it keeps host arrays (backend.HostArray)
+and reaches the framework's arrays through `arrays` (backend.Arrays: transport.ArrayOps for
+MXNet, transport.HostArrays for plain NumPy), so it runs and is tested on any arrays.
 """
 import threading
 import time
@@ -38,10 +39,6 @@ class _Slot:
         self.staged = None  # backup off: what the parameters copy from once the hold is released
         self.pending = None  # backup off: (version, WriteHold, deadline) not yet published
 
-    @property
-    def glo_buf(self):
-        return self.glo.nd
-
     def stage(self):
         """Copy glo_buf into the staging buffer: runs under its WriteHold, glo_buf already read-ready."""
         np.copyto(self.staged.held(), self.glo.held())
@@ -50,10 +47,11 @@ class _Slot:
 class ModelBackup:
     """glo_buf per key and the loc_buf status flag; the two threads meet only here.
 
-    `arrays` makes CPU Buffers (`new(shape)`), queues copies between arrays in the
-    engine's order (`copy(src, dst)`) and, when the engine runs asynchronously, holds
-    an array's writers back (`hold(nd)`; `can_hold`): then write_back returns without
-    waiting; otherwise it waits for the global weights.
+    `arrays` makes host arrays (`new(shape)`), gives the framework's array over one
+    (`array(buf)`), queues copies between framework arrays in the framework's order
+    (`copy(src, dst)`) and, when the framework runs asynchronously, holds an array's
+    writers back (`hold(buf)`; `can_hold`): then write_back returns without waiting;
+    otherwise it waits for the global weights.
     """
 
     def __init__(self, enabled, timeout, arrays):
@@ -74,16 +72,17 @@ class ModelBackup:
         """Register `key` with initial global weights (copied to a CPU, default-layout glo_buf)."""
         arrays = self._arrays
         glo = arrays.new(weight.shape)
-        arrays.copy(weight, glo.nd)
+        arrays.copy(weight, arrays.array(glo))
         slot = self._slots[key] = _Slot(glo)
         if self.enabled:
             slot.loc = arrays.new(weight.shape)
         if self._holds:
             slot.staged = arrays.new(weight.shape)
-            arrays.copy(glo.nd, slot.staged.nd)
+            arrays.copy(arrays.array(glo), arrays.array(slot.staged))
 
     def glo_buf(self, key):
-        return self._slots[key].glo_buf
+        """glo_buf of `key` as the framework's array (MXNet: an NDArray)."""
+        return self._arrays.array(self._slots[key].glo)
 
     def glo_buffer(self, key):
         """glo_buf of `key` as its Buffer (NDArray and NumPy view of the same memory)."""
@@ -103,8 +102,9 @@ class ModelBackup:
         self.wait_version(key, step)
         slot.params = params
         local_update(grad, slot.glo, slot.loc)
+        loc = self._arrays.array(slot.loc)
         for out in params:
-            self._arrays.copy(slot.loc.nd, out)
+            self._arrays.copy(loc, out)
         with self._cond:
             slot.flag = 1
             self._cond.notify_all()
@@ -121,11 +121,12 @@ class ModelBackup:
         if not self._holds:
             self.wait_version(key, step)
             for out in params:
-                self._arrays.copy(slot.glo_buf, out)
+                self._arrays.copy(self.glo_buf(key), out)
             return
-        hold = self._arrays.hold(slot.staged.nd)
+        hold = self._arrays.hold(slot.staged)
+        staged = self._arrays.array(slot.staged)
         for out in params:
-            self._arrays.copy(slot.staged.nd, out)
+            self._arrays.copy(staged, out)
         with self._cond:
             failed = self._error is not None
             waiting = slot.version < step and not failed
@@ -236,7 +237,7 @@ class ModelBackup:
             self.wait_version(key, slot.version)
             if slot.params is not None:
                 for out in slot.params:
-                    self._arrays.copy(slot.glo_buf, out)
+                    self._arrays.copy(self.glo_buf(key), out)
 
     def state_dict(self):
         """Per key: glo_buf (a flat float32 array), version and flag."""
@@ -248,7 +249,7 @@ class ModelBackup:
             slot = self._slots[key]
             np.copyto(slot.glo.for_write(), np.asarray(s["glo_buf"], np.float32).reshape(-1))
             if slot.staged is not None:
-                self._arrays.copy(slot.glo_buf, slot.staged.nd)
+                self._arrays.copy(self.glo_buf(key), self._arrays.array(slot.staged))
             slot.version = s["version"]
             slot.flag = s["flag"]
 

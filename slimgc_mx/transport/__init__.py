@@ -18,7 +18,7 @@ import importlib
 from .. import env
 from .base import (PiecesHandle, TransferHandle, Transport, TransportTimeout, piece_bounds,
                    wait_readable)
-from .host import HostBuffer, HostReadiness
+from .host import HostArrays, HostBuffer, HostReadiness
 from .keys import KeyWire, WireKeyError, WireKeys
 from .local import LocalTransport
 from .threads import ThreadGroup, ThreadTransport
@@ -51,7 +51,7 @@ def create_transport(timeout=None, piece_bytes=0):
 
 
 __all__ = ["ArrayInPlace", "ArrayOps", "BIGARRAY_BOUND", "Buffer", "DistTransport",
-           "EngineNotifier", "HostBuffer", "HostReadiness", "KeyWire", "LayoutError", "LocalTransport",
+           "EngineNotifier", "HostArrays", "HostBuffer", "HostReadiness", "KeyWire", "LayoutError", "LocalTransport",
            "PiecesHandle",
            "ServerPrecisionError", "ThreadGroup", "ThreadTransport", "TransferHandle",
            "Transport", "TransportTimeout", "WireKeyError", "WireKeys", "WriteHold",

@@ -175,8 +175,13 @@ class ArrayOps:
         return Buffer(shape, np.float32)
 
     @staticmethod
+    def array(buf):
+        """The NDArray over a Buffer's memory."""
+        return buf.nd
+
+    @staticmethod
     def copy(src, dst):
         copy_array(src, dst)
 
-    def hold(self, nd):
-        return self._engine.hold(nd)
+    def hold(self, buf):
+        return self._engine.hold(buf.nd)

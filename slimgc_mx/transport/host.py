@@ -42,3 +42,25 @@ class HostReadiness:
     @staticmethod
     def when_readable(buf, callback, priority=0):
         callback()
+
+
+class HostArrays:
+    """backend.Arrays over HostBuffers, for a process with no framework: a buffer's
+    framework array is its NumPy view in its shape, copies happen at once, nothing holds."""
+
+    can_hold = False
+
+    @staticmethod
+    def new(shape):
+        return HostBuffer(shape, np.float32)
+
+    @staticmethod
+    def array(buf):
+        return buf.for_read().reshape(buf.shape)
+
+    @staticmethod
+    def copy(src, dst):
+        np.copyto(dst, np.reshape(src, np.shape(dst)))
+
+    def hold(self, buf):
+        raise RuntimeError("host arrays have no engine to hold a writer in (can_hold is False)")
