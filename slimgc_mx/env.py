@@ -1,7 +1,8 @@
 """The environment: every variable slimgc_mx reads, and the only module that reads them.
 
 Standard library only, so the launcher and the kvstore share one list of names.
-Variables are read when asked for (not at import), from `environ` when given.
+Variables are read when asked for (not at import), from `environ` when given; the
+launcher and the benchmarks only write variables for the processes they start.
 """
 import numbers
 import os
@@ -16,8 +17,16 @@ LAUNCH_INDEX_VAR = "SLIMGC_LAUNCH_INDEX"
 SSH_VAR = "SLIMGC_SSH"
 #: Set by the launcher when its own output is a terminal (processes may draw progress bars).
 TERMINAL_VAR = "SLIMGC_TERMINAL"
-#: Variables of this package that are not kvstore options.
-OWN_VARS = (NUM_THREADS_VAR, LAUNCH_INDEX_VAR, SSH_VAR, TERMINAL_VAR)
+#: Where the benchmarks' mnist1d keeps its generated arrays (data_dir()).
+DATA_DIR_VAR = "SLIMGC_DATA_DIR"
+#: Read by scripts/run.sh only: the project venv and the Python that creates it.
+VENV_VAR = "SLIMGC_VENV"
+PYTHON_VAR = "SLIMGC_PYTHON"
+#: Read by setup.py only: build the kernels without OpenMP.
+NO_OPENMP_VAR = "SLIMGC_NO_OPENMP"
+#: Variables of this project that are not kvstore options (config does not warn of them).
+OWN_VARS = (NUM_THREADS_VAR, LAUNCH_INDEX_VAR, SSH_VAR, TERMINAL_VAR, DATA_DIR_VAR, VENV_VAR,
+            PYTHON_VAR, NO_OPENMP_VAR)
 #: What a launched worker prints once it knows its kvstore rank; the launcher then labels
 #: the worker's lines with that rank (MXNet's ranks need not follow the launch order).
 RANK_MARKER = "slimgc: worker %d is kvstore rank %d of %d"
@@ -83,6 +92,24 @@ def check_num_threads(value):
         raise ValueError("num_threads must be an integer >= 1 (or None for the default), got %r"
                          % (value,))
     return int(value)
+
+
+# ---------------------------------------------------------------- the project's own
+
+def data_dir(environ=None):
+    """SLIMGC_DATA_DIR: the directory where generated data sets are kept, or None."""
+    return _environ(environ).get(DATA_DIR_VAR) or None
+
+
+def ssh_program(environ=None):
+    """SLIMGC_SSH: the launcher's ssh program and leading arguments (default: ssh)."""
+    return _environ(environ).get(SSH_VAR) or "ssh"
+
+
+def project_variables(environ=None):
+    """{name: value} of every SLIMGC_* variable set, sorted by name (what a job inherits)."""
+    env = _environ(environ)
+    return {k: env[k] for k in sorted(env) if k.startswith(OPTION_PREFIX)}
 
 
 # ---------------------------------------------------------------- kvstore options

@@ -24,7 +24,7 @@ from ..launch.netns import (DELAY_PATTERN, NODE_IFACE, RATE_PATTERN, NetnsCluste
                             NetnsRunner, cleanup_stale, netem_available, netns_available,
                             rate_bits)
 from ..codecs import available as available_codecs
-from ..env import LAUNCH_INDEX_VAR, SERVER_ENV, env_count
+from ..env import LAUNCH_INDEX_VAR, SERVER_ENV, env_count, launch_index, project_variables
 
 DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, time "
                "composition, CTTab, accuracy vs MXNet's own baselines")
@@ -180,7 +180,7 @@ def run_job(argv: List[str]) -> int:
     result = train.main(train_args, on_step=probe.on_step)
     rec = probe.result()
     rec["rank"] = result.get("rank")
-    rec["launch_index"] = int(os.environ.get(LAUNCH_INDEX_VAR, "0"))
+    rec["launch_index"] = launch_index() or 0
     rec["final_test_acc"] = result.get("final_test_acc")
     rec["history"] = result.get("history")
     stats = result.get("kvstore_stats") or {}
@@ -650,8 +650,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
               # SLIMGC_* options every process inherits from the caller (the warm-up steps
               # are slimgc_warmup_steps: the harness sets them per process)
               "builds": {b[0]: b[1] for b in opts.builds if b is not None},
-              "slimgc_environment": {k: v for k, v in sorted(os.environ.items())
-                                     if k.startswith("SLIMGC_")},
+              "slimgc_environment": project_variables(),
               "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print("cluster bench: %s on %s, %s + %s, OMP_NUM_THREADS=%d, "
           "MXNET_CPU_WORKER_NTHREADS=%d (workers), %s -> %s"

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..env import data_dir
+
 __all__ = ["DATASETS", "Dataset", "load", "shard_indices", "info"]
 
 # The test/train split and the synthetic pixels are fixed; `seed` only picks the shards.
@@ -82,7 +84,7 @@ def _mnist1d_arrays():
 
 def _mnist1d(cache_dir=None, **unused):
     """MNIST-1D arrays, optionally cached as .npz (generation takes a few seconds)."""
-    cache_dir = cache_dir or os.environ.get("SLIMGC_DATA_DIR")
+    cache_dir = cache_dir or data_dir()
     path = os.path.join(cache_dir, "mnist1d.npz") if cache_dir else None
     if path and os.path.exists(path):
         with np.load(path) as z:

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import List, Optional
 
-from ..env import SERVER_ENV_TEXT, SSH_VAR
+from ..env import SERVER_ENV_TEXT, ssh_program
 from . import netns
 from .job import LaunchedJob, describe_status
 from .plan import LaunchError, StartError, build_plan, plan_again, plural
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as launch.py does)")
     p.add_argument("--remote-dir", default=None,
                    help="ssh: directory to cd into on every host (default: the current directory)")
-    p.add_argument("--ssh", default=os.environ.get(SSH_VAR, "ssh"),
+    p.add_argument("--ssh", default=ssh_program(),
                    help="ssh program and leading arguments (default: $SLIMGC_SSH, else ssh; "
                         "now %(default)r)")
     p.add_argument("--linger", type=float, default=DEFAULT_LINGER,
