@@ -7,7 +7,8 @@
     pipeline                    encode -> push/pull -> decode -> glo_buf <- w_{i+1}
 
 The Aggregator composes the parts (planner, pipeline, backup, updates) over a
-transport; kvstore.SlimGC adapts MXNet's calling conventions to it.
+transport and a framework's seams (docs/backend.md; mxnet.framework.MXNetFramework);
+kvstore.SlimGC adapts MXNet's calling conventions to it.
 """
 import logging
 import time
@@ -22,8 +23,6 @@ from .pipeline import Pipeline, TransferStats
 from .planner import Planner
 from .threshold import CTTab, NEVER
 from .trace import Trace
-from .transport import ArrayInPlace, ArrayOps, Buffer, EngineNotifier, LayoutError, copy_array
-from .update import GlobalUpdate, LocalUpdater, check_loc_optimizer, optimizer_settings
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +30,14 @@ log = logging.getLogger(__name__)
 class Aggregator:
     """The keys of one worker and everything between their gradients and glo_buf."""
 
-    def __init__(self, config, transport, compress_sums=True):
+    def __init__(self, config, transport, compress_sums=True, framework=None):
         """compress_sums: whether pushes without an optimizer (plain sums) may be compressed;
-        the kvstore allows it only when the user chose a compressor."""
+        the kvstore allows it only when the user chose a compressor. framework: the seams of
+        the framework whose arrays and optimizer it serves (default MXNet's)."""
+        if framework is None:
+            from .mxnet.framework import MXNetFramework
+            framework = MXNetFramework()
+        self.framework = framework
         self.config = config
         self.transport = transport
         self.compress_sums = compress_sums
@@ -53,14 +57,14 @@ class Aggregator:
         agreement.check(transport, dict(cfg.agreement_fields(), num_workers=transport.num_workers,
                                          lanes=lane_format, lanes32=self.lanes32,
                                          bigarray_bound=transport.bigarray_bound))
-        self.engine = EngineNotifier()
-        self.backup = ModelBackup(cfg.backup, cfg.timeout, ArrayOps(self.engine))
-        self.engine.on_error = partial(self.backup.fail, where="an operator run by MXNet's engine")
+        self.backup = ModelBackup(cfg.backup, cfg.timeout, framework.arrays)
+        framework.on_error(partial(self.backup.fail, where=framework.engine_where))
         self.trace = Trace(cfg.trace, transport.rank) if cfg.trace else None
-        self.pipeline = Pipeline(transport, self._finish, self.backup.fail, self.engine,
+        self.pipeline = Pipeline(transport, self._finish, self.backup.fail, framework.readiness,
                                  self.trace)
-        self.planner = Planner(cfg, transport, codec, cttab, Buffer, _device_codec,
-                               self.backup.wait_version, self.name_of, self.lanes32)
+        self.planner = Planner(cfg, transport, codec, cttab, framework.new_buffer,
+                               framework.device_codec, self.backup.wait_version, self.name_of,
+                               self.lanes32)
         self.stats = TransferStats()
         self.update = None  # GlobalUpdate, once an optimizer is set
         self._local = None  # LocalUpdater, built at the first local update
@@ -83,10 +87,10 @@ class Aggregator:
 
         Collective: every worker's optimizer must have the same class and settings.
         """
-        check_loc_optimizer(self.config.loc_optimizer)
+        settings = self.framework.optimizer_settings(optimizer, self.config.loc_optimizer)
         check_momentum(self.codec, optimizer)
-        agreement.check(self.transport, optimizer_settings(optimizer), what="optimizer settings")
-        self.update = GlobalUpdate(optimizer, self.config.num_threads)
+        agreement.check(self.transport, settings, what="optimizer settings")
+        self.update = self.framework.global_update(optimizer, self.config.num_threads)
         self._local = None
 
     def name_of(self, key):
@@ -103,8 +107,8 @@ class Aggregator:
 
     def local_updater(self):
         if self._local is None:
-            self._local = LocalUpdater.for_update(self.update, self.num_workers, self.config,
-                                                  self.engine)
+            self._local = self.framework.local_updater(self.update, self.num_workers,
+                                                       self.config)
         return self._local
 
     def optimizer_state(self):
@@ -131,22 +135,14 @@ class Aggregator:
         """A new key with rank 0's initial weights `value`: buffers, wire keys, glo_buf."""
         if key in self.planner.keys:
             raise ValueError("key %r is already initialized" % (key,))
-        if value.stype != "default":
-            raise TypeError("key %r: slimgc supports dense (default storage) arrays only, "
-                            "got stype %r; use kvstore='dist_sync' for sparse gradients"
-                            % (key, value.stype))
-        if np.dtype(value.dtype) != np.float32:
-            raise TypeError("key %r is %s: slimgc aggregates float32 parameters only; cast the "
-                            "model with net.cast('float32')" % (key, np.dtype(value.dtype)))
+        weight = self.framework.weight(key, value)
         agreement.check(self.transport, {"key": repr(key), "shape": tuple(value.shape),
                                          "dtype": str(np.dtype(value.dtype))},
                         what="key #%d" % len(self.planner.keys))
         b = self.planner.add(key, value.shape)
-        weight = Buffer(b.shape, np.float32)
-        value.copyto(weight.nd)  # also brings MKLDNN-layout arrays to the default layout
         self.transport.declare(b.wire.weight, weight)
         self.transport.broadcast(b.wire.weight, weight)
-        self.backup.add(key, weight.nd)
+        self.backup.add(key, self.framework.arrays.array(weight))
 
     # -- the data path ---------------------------------------------------------------------
     def push(self, key, grads, outs=None, priority=0):
@@ -164,7 +160,6 @@ class Aggregator:
         if bucket is not None and bucket.holds(key):
             self._submit(bucket.take(self.name_of))  # pushed again before the rest of its bucket
         self.backup.wait_version(key, step)  # grad_buf and the residual are free again
-        grad = _sum(grads)
         push = Push(key, b, step, local=self.config.backup and outs is not None,
                     priority=priority)
         settings = self.update.settings(b.index)
@@ -178,7 +173,7 @@ class Aggregator:
                 b.codec.set_optimizer_view(self.update.codec_view(
                     b.index, self.backup.glo_buffer(key), settings))
         encoder = self._fused_encoder(transfer) if push.local else None
-        source = self._gradient_source(b, grad, encoder is not None)
+        grad, source = self.framework.gradient(b, grads, encoder is not None)
         if push.local:
             self.params_local = True
             start = time.perf_counter()
@@ -222,39 +217,10 @@ class Aggregator:
         b = transfer.buffers
         return stream_pieces(b.codec, b.size, r.send, bounds, self.num_workers)
 
-    def _gradient_source(self, b, grad, fused):
-        """What the push reads the gradient from: on a fused push, MXNet's own array in
-        place once an operator has found it in the default layout (ArrayInPlace; every
-        fused operator checks again), else grad_buf after a copy."""
-        if fused and b.grad_in_place:
-            return ArrayInPlace(grad)
-        if fused and b.grad_in_place is None:
-            self._probe_layout(b, grad)
-        copy_array(grad, b.grad_buf.nd)
-        return b.grad_buf
-
-    def _probe_layout(self, b, grad):
-        """Set b.grad_in_place from an operator that reads `grad` after backward has written
-        it: the layout is known there without waiting, and backward keeps it step to step."""
-        if not ArrayInPlace.supports(grad):
-            b.grad_in_place = False
-            return
-        view = ArrayInPlace(grad)
-
-        def probe():
-            try:
-                view.held()
-                b.grad_in_place = True
-            except LayoutError:
-                b.grad_in_place = False
-
-        self.engine.run(probe, [grad], [])
-
     def _push_sum(self, key, b, step, grads, priority):
         """No optimizer: the sum over contexts and workers becomes the key's value."""
         self.backup.wait_version(key, step)
-        grad = _sum(grads)
-        copy_array(grad, b.grad_buf.nd)
+        grad, _ = self.framework.gradient(b, grads)
         push = Push(key, b, step, local=False, priority=priority)
         if b.codec is not None and b.codec.wants_optimizer:
             b.codec.set_optimizer_view(None)  # a plain sum: no optimizer to weigh values by
@@ -343,7 +309,7 @@ class Aggregator:
         for key in self.planner.keys:
             param = param_dict.get(key)
             name = "%r (%s)" % (key, param.name) if param is not None else repr(key)
-            weights[name] = self.backup.glo_buf(key).asnumpy().tobytes()
+            weights[name] = self.backup.glo_buffer(key).for_read().tobytes()
         agreement.audit(self.transport, weights, step)
 
     # -- reading weights back --------------------------------------------------------------
@@ -352,7 +318,7 @@ class Aggregator:
         self.send_pending()
         self.backup.wait_version(key, self.planner.steps[key])
         for dst in outs:
-            self.backup.glo_buf(key).copyto(dst)
+            self.framework.arrays.copy(self.backup.glo_buf(key), dst)
 
     def flush(self):
         """Wait for every aggregation in flight and write the global weights into the parameters."""
@@ -444,19 +410,3 @@ def _store_sums(transfer, glos):
     """No optimizer: the key's value (glo_buf) becomes the sum over workers."""
     for push, glo in zip(transfer.pushes, glos):
         np.copyto(glo.for_write(), push.buffers.agg.for_read())
-
-
-def _device_codec(codec):
-    """The codec on the training thread (offload off): NDArray ops, or the CPU kernel in line."""
-    from .device import DeviceCodec, InlineCodec
-    return DeviceCodec(codec) if DeviceCodec.supports(codec) else InlineCodec(codec)
-
-
-def _sum(arrays):
-    """Sum of the per-context arrays, on the first one's context."""
-    total = arrays[0]
-    if len(arrays) > 1:
-        total = arrays[0].copy()
-        for a in arrays[1:]:
-            total += a.as_in_context(total.context)
-    return total

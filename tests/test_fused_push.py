@@ -14,6 +14,7 @@ import slimgc_mx
 import training_helpers as th
 from slimgc_mx import codecs
 from slimgc_mx.aggregator import Aggregator
+from slimgc_mx.mxnet.framework import MXNetFramework
 from slimgc_mx.codecs.base import NonFiniteGradientError, kernels
 from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.transport import ArrayInPlace
@@ -89,20 +90,20 @@ def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, 
     """Two workers with backup: the local update encoding in its pass gives the weights of
     the local update and the encoder thread run one after the other."""
     encoders, sources = [], []
-    original, source_of = Aggregator._fused_encoder, Aggregator._gradient_source
+    original, source_of = Aggregator._fused_encoder, MXNetFramework.gradient
 
     def counted(self, transfer):
         encoder = original(self, transfer)
         encoders.append(encoder is not None)
         return encoder
 
-    def recorded(self, b, grad, fused):
-        source = source_of(self, b, grad, fused)
+    def recorded(self, b, grads, fused=False):
+        grad, source = source_of(self, b, grads, fused)
         sources.append(type(source))
-        return source
+        return grad, source
 
     monkeypatch.setattr(Aggregator, "_fused_encoder", counted)
-    monkeypatch.setattr(Aggregator, "_gradient_source", recorded)
+    monkeypatch.setattr(MXNetFramework, "gradient", recorded)
     run = dict(compressor=name, codec_options=options, threshold=0.01, comm_threshold=256,
                warmup_steps=2)
     fused = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(12), **run)
@@ -157,18 +158,18 @@ def test_conv_gradients_are_read_in_place_with_the_copy_paths_weights(monkeypatc
     """MKLDNN keeps a conv layer's weights in its own layout after an inference pass, but
     backward writes the gradient in the default layout: it is read in place, and the
     weights are bitwise those of training with the gradient copied into grad_buf."""
-    sources, source_of = [], Aggregator._gradient_source
+    sources, source_of = [], MXNetFramework.gradient
 
-    def recorded(self, b, grad, fused):
-        source = source_of(self, b, grad, fused)
+    def recorded(self, b, grads, fused=False):
+        grad, source = source_of(self, b, grads, fused)
         sources.append((b.shape, type(source)))
-        return source
+        return grad, source
 
-    monkeypatch.setattr(Aggregator, "_gradient_source", recorded)
+    monkeypatch.setattr(MXNetFramework, "gradient", recorded)
     in_place = th.in_threads(2, _conv_worker)
     assert ((8, 3, 3, 3), ArrayInPlace) in sources
-    monkeypatch.setattr(Aggregator, "_gradient_source",
-                        lambda self, b, grad, fused: source_of(self, b, grad, False))
+    monkeypatch.setattr(MXNetFramework, "gradient",
+                        lambda self, b, grads, fused=False: source_of(self, b, grads, False))
     copied = th.in_threads(2, _conv_worker)
     for (a_w, stats), (b_w, _) in zip(in_place, copied):
         assert stats["compressed_transfers"] > 0
