@@ -8,14 +8,28 @@ from typing import List, Optional
 
 from ..env import SERVER_ENV_TEXT, ssh_program
 from . import netns
-from .job import LaunchedJob, describe_status
+from .command import RUN_MODULE, prepare
+from .job import NEVER_JOINED_STATUS, LaunchedJob, describe_status
 from .plan import LaunchError, StartError, build_plan, plan_again, plural
+from .runners import shell_command
 
 log = logging.getLogger("slimgc_mx.launch")
 
 USAGE_ERROR = 2
 DEFAULT_LINGER = 10.0
 DEFAULT_KILL_GRACE = 3.0
+
+
+def port_number(text: str) -> int:
+    """--port: 0 (pick a free port) or a TCP port, 1-65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            "%r is not a port: give 1-65535, or 0 (the default) to pick a free one" % text)
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "may differ). Local mode sets OMP_NUM_THREADS to CPUs // workers (at least 1) "
                     "unless this shell or --env sets it. Workers get MXNET_CPU_WORKER_NTHREADS=2 "
                     "(MXNet's engine threads) unless --env, --env-worker or, in local mode, "
-                    "this shell sets it. Exit status: the workers' (0 when all "
+                    "this shell sets it. Local and netns: a bare python or python3 in COMMAND "
+                    "is the launcher's own interpreter, a missing SCRIPT is a usage error, and "
+                    "`python SCRIPT` or `python -m MODULE` on that interpreter runs through "
+                    "`python -m slimgc_mx.run`, so kvstore='slimgc' means SlimGC in every "
+                    "process even where the script does not import slimgc_mx (--as-is: run "
+                    "COMMAND as given). Exit status: the workers' (0 when all "
                     "succeed), 128+N when a process is killed by signal N, 2 for usage errors, "
-                    "127 when COMMAND cannot start.",
+                    "127 when COMMAND cannot start, %d when the workers succeeded without "
+                    "ever joining the servers (they trained unsynchronised)."
+                    % NEVER_JOINED_STATUS,
         epilog="examples:\n"
                "  slimgc-launch -n 2 -s 2 python scripts/train.py\n"
                "  slimgc-launch -n 4 -H hosts --env OMP_NUM_THREADS:2 python scripts/train.py",
@@ -70,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="like --env, for workers only, wins over --env (default: none)")
     p.add_argument("--p3", action="store_true",
                    help="use the P3 van: DMLC_PS_VAN_TYPE=p3, DMLC_PS_WATER_MARK=10 (default: off)")
-    p.add_argument("--port", type=int, default=0,
-                   help="scheduler port DMLC_PS_ROOT_PORT (default: 0 = a free port picked here)")
+    p.add_argument("--port", type=port_number, default=0,
+                   help="scheduler port DMLC_PS_ROOT_PORT, 1-65535 (default: 0 = a free port "
+                        "picked here)")
     p.add_argument("--root-uri", default=None,
                    help="scheduler address DMLC_PS_ROOT_URI (default: 127.0.0.1 for local; for "
                         "ssh the --scheduler-host, else this machine's address toward the first host)")
@@ -94,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "K times; the training script resumes from its checkpoints (scripts/"
                         "train.py --checkpoint-dir). Exit status: the last attempt's "
                         "(default: %(default)s)")
+    p.add_argument("--as-is", action="store_true",
+                   help="run COMMAND exactly as given: a bare python is the first on PATH and "
+                        "a Python script does not run through slimgc_mx.run, so it must import "
+                        "slimgc_mx itself for kvstore='slimgc' (default: off; ssh always "
+                        "runs COMMAND as given)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="launcher log level (default: %(default)s)")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -119,6 +146,18 @@ def parse_args(argv: Optional[List[str]] = None, parser=None) -> argparse.Namesp
     return args
 
 
+def tell_command(given: List[str], prepared) -> None:
+    """Log what the launcher made of COMMAND, when it is not word for word what was given."""
+    if prepared.as_given:
+        log.info("COMMAND runs as given (%s): a Python script in it must `import slimgc_mx` "
+                 "for kvstore='slimgc' to mean SlimGC", prepared.as_given)
+    elif prepared.command != given:
+        log.info("every process runs %s%s", shell_command(prepared.command),
+                 "" if RUN_MODULE not in prepared.command else
+                 ": kvstore='slimgc' is SlimGC even where the script does not import "
+                 "slimgc_mx (--as-is runs COMMAND as given)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Console entry point (slimgc-launch): parse, plan, run; returns the exit status."""
     parser = build_parser()
@@ -129,17 +168,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: --max-restarts must be >= 0", file=sys.stderr)
         return USAGE_ERROR
+    cwd = args.remote_dir if args.launcher == "ssh" else os.getcwd()
     try:
+        prepared = prepare(args.command, args.launcher, cwd, args.as_is)
         with contextlib.ExitStack() as stack:
             cluster = None
             if args.launcher == "netns":
                 cluster = stack.enter_context(netns.cluster_for(args))
             plan = build_plan(args, cluster)
+            tell_command(args.command, prepared)
+            interpreter = prepared.interpreter
+            if args.launcher == "ssh":
+                interpreter = "%s as each host's PATH finds it" % prepared.interpreter \
+                    if prepared.interpreter else None
             for attempt in range(args.max_restarts + 1):
                 if attempt:
                     plan = plan_again(plan, args.port)
-                cwd = args.remote_dir if args.launcher == "ssh" else os.getcwd()
-                job = LaunchedJob(plan, args.command, cwd, args.linger, args.kill_grace)
+                job = LaunchedJob(plan, prepared.command, cwd, args.linger, args.kill_grace,
+                                  interpreter)
                 log.info("%s launcher: 1 scheduler, %s, %s%s; scheduler at %s:%s%s",
                          args.launcher, plural(args.num_servers, "server"),
                          plural(args.num_workers, "worker"),

@@ -16,6 +16,9 @@ log = logging.getLogger("slimgc_mx.launch")
 
 POLL_INTERVAL = 0.05
 RANK_MARKER = re.compile(RANK_MARKER_PATTERN)
+IMPORT_ERROR = re.compile(rb"^(?:ModuleNotFoundError|ImportError): .*")
+#: The launcher's status when every worker succeeded but never joined the servers.
+NEVER_JOINED_STATUS = 1
 
 
 _SEGMENT = re.compile(rb"([^\r\n]*)([\r\n])")
@@ -98,12 +101,17 @@ class LaunchedJob:
     """Start the planned tasks, forward their output, watch them, and always clean up."""
 
     def __init__(self, plan: List[Task], command: List[str], cwd: str, linger: float,
-                 kill_grace: float):
+                 kill_grace: float, interpreter: Optional[str] = None):
+        """interpreter: the Python that runs COMMAND, when the launcher knows it (for the
+        message about a process that cannot import a module)."""
         self.plan, self.command, self.cwd = plan, command, cwd
         self.linger, self.kill_grace = linger, kill_grace
+        self.interpreter = interpreter
         self.out_lock = threading.Lock()
         self.failed = None  # the task whose failure ended the job, if one did
         self.interrupted = False  # the launcher itself got a signal
+        self.never_joined = []  # servers/scheduler that outlived workers that never joined
+        self.diagnosis = None  # the launcher's last word on a failed job, if it has one
 
     def _forward(self, task: Task, stream, sink, terminal: bool):
         """Copy one child stream to our own, line by line, each line prefixed with its task.
@@ -122,6 +130,8 @@ class LaunchedJob:
             pending = pending[consumed:]
             for segment, end in found:
                 self._relabel(task, segment)
+                if IMPORT_ERROR.match(segment):
+                    task.import_error = segment.decode(errors="replace")
                 if end == b"\r" and not terminal:
                     continue
                 self._write(sink, task.prefix.encode() + segment + end)
@@ -185,6 +195,7 @@ class LaunchedJob:
             if failed is not None:
                 self.failed = failed
                 log.error("%s %s; stopping the job", failed.label, describe_status(failed.status))
+                self.diagnosis = self._import_diagnosis(failed)
                 return exit_code(failed.status)
             if all(t.status is not None for t in workers):
                 break
@@ -194,13 +205,43 @@ class LaunchedJob:
             time.sleep(POLL_INTERVAL)
             self._poll()
         lingering = [t.label for t in others if t.status is None]
-        if lingering:
-            log.warning("all workers succeeded but %s still ran %g s later; terminating them",
-                        ", ".join(lingering), self.linger)
         for t in others:
             if t.status not in (None, 0):
                 log.warning("%s %s after all workers succeeded", t.label, describe_status(t.status))
+        if lingering and any(t.rank is None for t in workers):
+            # Workers that joined a dist kvstore leave it together with the servers and
+            # the scheduler, which then exit; these never saw the workers.
+            self.never_joined = lingering
+            self.diagnosis = (
+                "every worker exited 0, but %s still ran %g s later, waiting for workers "
+                "that never joined: no worker created a dist kvstore, so each trained alone, "
+                "unsynchronised. Likely cause: kvstore='slimgc' or 'dist_sync_slimgc' in a "
+                "script that does not `import slimgc_mx` (MXNet then makes no store for one "
+                "device), or a kvstore name without 'dist' on one device. Fix: add `import "
+                "slimgc_mx` to the script, or run it as `python -m slimgc_mx.run SCRIPT` "
+                "(the launcher does so for `python SCRIPT` on its own interpreter); or use a "
+                "'dist_*' kvstore" % (", ".join(lingering), self.linger))
+            return NEVER_JOINED_STATUS
+        if lingering:
+            log.warning("all workers succeeded but %s still ran %g s later; terminating them",
+                        ", ".join(lingering), self.linger)
         return 0
+
+    def _import_diagnosis(self, failed: Task) -> Optional[str]:
+        """What to say when the failed task (or another) could not import a module."""
+        for th in failed.threads:
+            th.join(timeout=1.0)  # its last lines may still be on their way
+        culprit = failed if failed.import_error else next(
+            (t for t in self.plan if t.import_error), None)
+        if culprit is None:
+            return None
+        python = self.interpreter or "whichever Python COMMAND started (a bare `python`: " \
+                                     "the first on its PATH)"
+        return ("%s could not import a module (%s). It ran %s: run the launcher with the "
+                "Python that has the job's packages (e.g. .venv/bin/python -m slimgc_mx.launch "
+                "...: a bare `python` in COMMAND is the launcher's own, except over ssh), or "
+                "give that interpreter's path in COMMAND"
+                % (culprit.label, culprit.import_error, python))
 
     def _groups_alive(self) -> List[Task]:
         """Tasks whose process group still has a member (a child, or a grandchild it left)."""
@@ -263,7 +304,7 @@ class LaunchedJob:
         self.reaper = start_reaper(self.kill_grace)
         try:
             self._start_all()
-            return self._wait()
+            status = self._wait()
         except _Interrupted as e:
             self.interrupted = True
             log.error("launcher got %s; stopping the job", signal.Signals(e.signum).name)
@@ -277,3 +318,6 @@ class LaunchedJob:
             self.reaper.wait()
             for s, h in old.items():
                 signal.signal(s, h)
+        if self.diagnosis:
+            log.error("%s", self.diagnosis)
+        return status

@@ -112,6 +112,7 @@ class Task:
     status: Optional[int] = None
     threads: List[threading.Thread] = field(default_factory=list)
     rank: Optional[int] = None  # a worker's kvstore rank, once it has said it
+    import_error: Optional[str] = None  # its last ImportError line, if it printed one
     prefix: str = ""  # what its forwarded lines start with
 
     def __post_init__(self):
