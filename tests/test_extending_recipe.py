@@ -1,0 +1,320 @@
+"""docs/extending.md builds and runs: its code blocks form a codec, compiled into a copy of
+the kernels and held to the codec contract; every name architecture.md and extending.md
+cite exists; README's loc_buf formula is the local update's."""
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import codec_contract as contract
+import slimgc_mx
+from slimgc_mx import codecs
+from slimgc_mx.codecs import base, registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+#: A fenced block whose first line is a comment naming the file it forms.
+FILE_BLOCK = re.compile(r"```(?:python|cython)\n# ([\w./]+)\n(.*?)```", re.S)
+CODEC_MODULE = "slimgc_mx.codecs.nearest3"
+
+BUILD = textwrap.dedent("""\
+    import numpy
+    from Cython.Build import cythonize
+    from setuptools import Extension, setup
+    ext = Extension("recipe_kernels", ["kernels.pyx"], include_dirs=[numpy.get_include(), "."],
+                    extra_compile_args=["-O1", "-fopenmp"], extra_link_args=["-fopenmp"],
+                    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
+    setup(name="recipe", script_args=["build_ext", "--inplace", "-q"],
+          ext_modules=cythonize([ext], language_level=3, quiet=True, compiler_directives={
+              "boundscheck": False, "wraparound": False, "cdivision": True}))
+    """)
+
+
+def recipe_files(text=None):
+    """{path: text} of the code blocks of docs/extending.md that name their file."""
+    if text is None:
+        with open(os.path.join(DOCS, "extending.md"), encoding="utf-8") as f:
+            text = f.read()
+    return {path: body for path, body in FILE_BLOCK.findall(text)}
+
+
+def kernels_with_recipe(kernels_pyx, include_block):
+    """kernels.pyx with the recipe's include line after the last codec include, the other
+    codecs' includes dropped (the driver, decoder and SGD kernel stay)."""
+    codec_include = re.compile(r'^include "codec_\w+\.pxi"\n', re.M)
+    last = list(codec_include.finditer(kernels_pyx))[-1]
+    text = kernels_pyx[:last.end()] + include_block + kernels_pyx[last.end():]
+    lines = [line for line in text.splitlines(True)
+             if not codec_include.match(line) or line in include_block]
+    return "".join(lines)
+
+
+def test_the_page_names_every_file_of_the_recipe():
+    files = recipe_files()
+    assert set(files) == {"slimgc_mx/codecs/nearest3.py", "cython_ext/codec_nearest3.pxi",
+                          "cython_ext/kernels.pyx"}
+    assert files["cython_ext/kernels.pyx"].strip() == 'include "codec_nearest3.pxi"'
+    with open(os.path.join(ROOT, "slimgc_mx", "codecs", "__init__.py")) as f:
+        assert re.search(r"^from \. import \(", f.read(), re.M), \
+            "extending.md tells to add the module to codecs/__init__.py's `from . import (...)`"
+
+
+def test_the_extraction_reads_marked_blocks_only():
+    page = ("```python\n# a/b.py\nx = 1\n```\n```python\nnot marked\n```\n"
+            "```cython\n# c.pxi\ncdef int y\n```\n")
+    assert recipe_files(page) == {"a/b.py": "x = 1\n", "c.pxi": "cdef int y\n"}
+    pyx = 'a\ninclude "codec_none.pxi"\ninclude "codec_2bit.pxi"\ninclude "lanes32.pxi"\n'
+    assert kernels_with_recipe(pyx, 'include "codec_x.pxi"\n') == (
+        'a\ninclude "codec_x.pxi"\ninclude "lanes32.pxi"\n')
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    """The recipe's codec, registered, its kernel compiled into a copy of the kernels that
+    codecs' kernels() returns; all undone afterwards."""
+    pytest.importorskip("Cython")
+    files = recipe_files()
+    tmp = tmp_path_factory.mktemp("recipe")
+    src = os.path.join(ROOT, "cython_ext")
+    for name in os.listdir(src):
+        if name.endswith((".pxi", ".pxd")):
+            with open(os.path.join(src, name)) as f, open(tmp / name, "w") as g:
+                g.write(f.read())
+    (tmp / "codec_nearest3.pxi").write_text(files["cython_ext/codec_nearest3.pxi"])
+    with open(os.path.join(src, "kernels.pyx")) as f:
+        (tmp / "kernels.pyx").write_text(
+            kernels_with_recipe(f.read(), files["cython_ext/kernels.pyx"]))
+    (tmp / "build.py").write_text(BUILD)
+    done = subprocess.run([sys.executable, "build.py"], cwd=tmp, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, "the recipe's kernel does not build:\n" + done.stderr[-4000:]
+    so = next(p for p in os.listdir(tmp) if p.startswith("recipe_kernels") and
+              p.endswith(".so"))
+    spec = importlib.util.spec_from_file_location("recipe_kernels", str(tmp / so))
+    built = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(built)
+
+    py = tmp / "nearest3.py"
+    py.write_text(files["slimgc_mx/codecs/nearest3.py"])
+    mp = pytest.MonkeyPatch()
+    mp.setattr(base, "_kernels", built)
+    try:
+        spec = importlib.util.spec_from_file_location(CODEC_MODULE, str(py))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[CODEC_MODULE] = module
+        spec.loader.exec_module(module)
+        yield module, built
+    finally:
+        mp.undo()
+        sys.modules.pop(CODEC_MODULE, None)
+        registry._CODECS.pop("nearest3", None)
+        registry._REFERENCES.pop("nearest3", None)
+
+
+def test_the_recipe_registers(recipe):
+    module, built = recipe
+    assert "nearest3" in codecs.available()
+    c = codecs.create("nearest3")
+    assert isinstance(c, module.Nearest3) and c.threshold == 0.5
+    assert isinstance(codecs.create("nearest3", reference=True), module.Nearest3Reference)
+    assert hasattr(built, "encode_nearest3")
+
+
+def test_levels_are_the_nearest_of_three(recipe):
+    c = codecs.create("nearest3", threshold=1.0, num_threads=1)
+    g = np.array([0.2, 0.5, -0.5, 0.7, -2.0, -0.49], np.float32)
+    r = np.zeros_like(g)
+    lanes = c.encode(g, r, 2)
+    two = codecs.create("nearest3", threshold=1.0).decode(lanes * 2, g.size, 2)
+    np.testing.assert_array_equal(two, 2 * np.array([0, 1, -1, 1, -1, 0], np.float32))
+    np.testing.assert_array_equal(r, g - np.array([0, 1, -1, 1, -1, 0], np.float32))
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 16])
+@pytest.mark.parametrize("size", [1, 7, 4097, 70001])
+def test_kernel_equals_reference(recipe, n_workers, size):
+    contract.check_kernel_equals_reference("nearest3", n_workers, size)
+
+
+def test_the_codec_contract(recipe):
+    contract.check_threads_bitwise_equal("nearest3")
+    contract.check_sums_in_any_order_decode_alike("nearest3")
+    contract.check_error_feedback_identity("nearest3")
+    contract.check_workers_agree_in_any_order("nearest3")
+    contract.check_state_round_trip("nearest3", {})
+
+
+def test_a_nonfinite_gradient_is_refused_before_anything_is_written(recipe):
+    c = codecs.create("nearest3")
+    g = np.ones(100, np.float32)
+    g[37] = np.nan
+    r = np.full(100, 0.25, np.float32)
+    with pytest.raises(codecs.NonFiniteGradientError):
+        c.encode(g, r, 2)
+    assert (r == 0.25).all()
+
+
+def test_the_fused_local_update_is_the_two_passes(recipe):
+    _, built = recipe
+    n, workers = 150001, 3
+    rng = np.random.RandomState(5)
+    g, w, m = (rng.randn(n).astype(np.float32) for _ in range(3))
+    residual = (0.1 * rng.randn(n)).astype(np.float32)
+    lr, wd, rescale, momentum = 0.05, 1e-3, 1.0 / 48, 0.9
+    expected = np.empty(n, np.float32)
+    built.sgd_step(w, g, m, None, expected, lr, wd, rescale, momentum, -1.0, 1)
+    r1, r2 = residual.copy(), residual.copy()
+    lanes1 = codecs.create("nearest3", num_threads=1).encode(g, r1, workers)
+    out = np.full(n, np.nan, np.float32)
+    local = built.LocalSGD(w, m, out, lr, wd, rescale, momentum, -1.0)
+    lanes2 = codecs.create("nearest3", num_threads=2).encode(g, r2, workers, local=local)
+    np.testing.assert_array_equal(lanes2, lanes1)
+    np.testing.assert_array_equal(r2, r1)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_the_ndarray_levels_equal_the_kernel(recipe):
+    pytest.importorskip("mxnet")
+    import test_device
+    rng = np.random.default_rng(2)
+    for size in (1, 7, 4097):
+        test_device.run_workers("nearest3", size, 2, 3, rng)
+
+
+# ---------------------------------------------------------------- cited names
+
+#: `a.b` or `a.b.c`, maybe called (`a.b(x, y)`), in backticks: a module's or a class's member.
+CITED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\([^`]*\))?`")
+#: Prefixes that name MXNet's modules, not ours, or an instance (`self.levels`).
+OUTSIDE = ("mxnet.", "mx.", "gluon.", "nd.", "self.")
+
+
+def _modules():
+    """{short name: dotted module} of the package (a module, or a package's last part)."""
+    out = {"kernels": "slimgc_mx._kernels"}
+    pkg = os.path.dirname(slimgc_mx.__file__)
+    for root, _, files in os.walk(pkg):
+        for name in files:
+            if not name.endswith(".py") or name == "__main__.py":
+                continue
+            rel = os.path.relpath(os.path.join(root, name), os.path.dirname(pkg))[:-3]
+            dotted = rel.replace(os.sep, ".").replace(".__init__", "")
+            out.setdefault(dotted.rsplit(".", 1)[-1], dotted)
+    return out
+
+
+def _classes():
+    """{class name: class} of every module of the package that imports here."""
+    out = {}
+    for dotted in set(_modules().values()):
+        try:
+            module = importlib.import_module(dotted)
+        except ImportError:
+            continue
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and obj.__module__.startswith("slimgc_mx"):
+                out.setdefault(name, obj)
+    return out
+
+
+def _has(obj, attr):
+    """getattr, or an attribute its class sets on instances (self.attr = / a field)."""
+    if hasattr(obj, attr):
+        return True
+    if inspect.isclass(obj):
+        for cls in obj.__mro__:
+            if attr in getattr(cls, "__dataclass_fields__", {}):
+                return True
+            try:
+                src = inspect.getsource(cls)
+            except (OSError, TypeError):
+                continue
+            if re.search(r"self\.%s\s*[:=]" % attr, src):
+                return True
+    return False
+
+
+def _cython_member(head, attr):
+    """True when kernels.pyx or a codec's .pxi defines `cdef struct head` or `cdef class
+    head` with a member `attr`."""
+    src = os.path.join(ROOT, "cython_ext")
+    for name in sorted(os.listdir(src)):
+        if not name.endswith((".pyx", ".pxi")):
+            continue
+        with open(os.path.join(src, name)) as f:
+            text = f.read()
+        found = re.search(r"^cdef (?:struct|class) %s\b.*?\n((?:[ \t]+.*\n|\n)+)" % head,
+                          text, re.M)
+        if found and re.search(r"\b%s\b" % attr, found.group(1)):
+            return True
+    return False
+
+
+def resolve(reference, modules, classes):
+    """The object `reference` ("module.name", "Class.attr", "module.Class.attr") names, or
+    None; a member of a Cython struct or cdef class resolves to True."""
+    head, *rest = reference.split(".")
+    if len(rest) == 1 and _cython_member(head, rest[0]):
+        return True
+    if head in classes:
+        obj = classes[head]
+    elif head in modules:
+        obj = importlib.import_module(modules[head])
+    else:
+        return None
+    for part in rest:
+        if not _has(obj, part):
+            return None
+        obj = getattr(obj, part, obj)
+    return obj
+
+
+@pytest.mark.parametrize("page", ["architecture.md", "extending.md"])
+def test_every_cited_name_exists(page):
+    pytest.importorskip("mxnet")
+    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+        text = FILE_BLOCK.sub("", f.read())  # the recipe's own code: built above
+    modules, classes = _modules(), _classes()
+    cited = sorted({m for m in CITED.findall(text) if not m.startswith(OUTSIDE)
+                    and not re.fullmatch(r"[\w/]+\.(py|pyx|pxi|md|sh)", m)})
+    assert cited, "no names found: the pattern no longer matches the page"
+    missing = [m for m in cited if resolve(m, modules, classes) is None]
+    assert missing == [], "%s cites names that do not exist: %s" % (page, missing)
+
+
+def test_the_name_check_finds_a_missing_name():
+    modules, classes = _modules(), _classes()
+    assert resolve("Aggregator.push", modules, classes) is not None
+    assert resolve("Aggregator.allreduce", modules, classes) is None
+    assert resolve("pipeline.Transfer.streamed", modules, classes) is not None
+    assert resolve("nowhere.thing", modules, classes) is None
+    assert resolve("EncodeJob.stat_width", modules, classes) is not None
+    assert resolve("EncodeJob.no_such_field", modules, classes) is None
+
+
+# ---------------------------------------------------------------- README's local update
+
+def test_readme_loc_buf_formula_is_the_local_sgd_step():
+    """README's loc_buf formula, evaluated, equals the local update's SGD kernel: the global
+    rule from glo_buf with the momentum read and rescale_grad times N (LocalUpdater)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    formula = re.search(r"loc_buf = ([^,]+),", text).group(1)
+    rng = np.random.RandomState(1)
+    n, workers = 1000, 4
+    glo, g, mom = (rng.randn(n).astype(np.float32) for _ in range(3))
+    lr, wd, rescale, mu = 0.1, 1e-2, 1.0 / 32, 0.9
+    out = np.empty(n, np.float32)
+    base.kernels().sgd_step(glo, g, mom, None, out, lr, wd, rescale * workers, mu, -1.0, 1)
+    names = {"glo_buf": glo.astype(np.float64), "g_loc": g.astype(np.float64),
+             "mom": mom.astype(np.float64), "mu": mu, "lr": lr, "wd": wd,
+             "rescale_grad": rescale, "N": workers}
+    readme = eval(formula, {"__builtins__": {}}, names)
+    np.testing.assert_allclose(readme, out, rtol=1e-5, atol=1e-6)
