@@ -478,6 +478,9 @@ def test_help_lists_every_option_with_defaults(capsys):
         assert opt in text
     assert "(default: 10.0)" in text and "(default: 3.0)" in text
     assert "(default: same as -n)" in text
+    flat = " ".join(text.split())
+    assert "a bare python or python3 in COMMAND is the launcher's own interpreter" in flat
+    assert "1 when the workers succeeded without ever joining the servers" in flat
 
 
 def test_forwarding_passes_progress_to_a_terminal_and_drops_it_elsewhere():

@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "now %(default)r)")
     p.add_argument("--linger", type=float, default=DEFAULT_LINGER,
                    help="seconds servers/scheduler may run on after all workers succeeded, "
-                        "then they are terminated (default: %(default)s)")
+                        "then they are terminated: they never saw the workers join, an "
+                        "error (exit %d) unless every worker said its kvstore rank "
+                        "(default: %%(default)s)" % NEVER_JOINED_STATUS)
     p.add_argument("--kill-grace", type=float, default=DEFAULT_KILL_GRACE,
                    help="seconds between SIGTERM and SIGKILL when stopping processes "
                         "(default: %(default)s)")
