@@ -1,7 +1,6 @@
 """What every process runs: a bare `python` is the launcher's own interpreter, a Python
 script or module runs through slimgc_mx.run (kvstore='slimgc' then means SlimGC without
 `import slimgc_mx`), and a missing script is named before any process starts."""
-import logging
 import os
 import re
 import shlex
@@ -11,8 +10,6 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .plan import LaunchError
-
-log = logging.getLogger("slimgc_mx.launch")
 
 RUN_MODULE = "slimgc_mx.run"
 BARE_PYTHONS = ("python", "python3")
