@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "cluster": "slimgc_mx.bench.cluster",
     "faults": "slimgc_mx.bench.faults",
     "passes": "slimgc_mx.bench.passes",
+    "scale": "slimgc_mx.bench.scale",
 }
 
 PROG = "python -m slimgc_mx.bench"
