@@ -13,14 +13,18 @@ and compares the fitted times: on a host whose cores are shared with training,
 two identical small transfers can differ tenfold, and the fit keeps that noise
 from deciding.
 
-The margin makes the decision reproducible: a size is compressed only when its
-benefit ratio t_c / (t_c^q + t_p^q) is at least 1 + margin (cttab_margin, 0.5 in
-the kvstore). A benefit within the margin of 1 is taken as none, so a size whose
-benefit sits near 1 goes full precision on every run instead of flipping with the
-noise of the warm-up. A decision saved with save() can be replayed: give its JSON
-file as comm_threshold and the table is loaded instead of measured.
+The margin makes the decision reproducible: each compressed tensor counts 1 + margin
+times its t_c^q + t_p^q (cttab_margin, 0.5 in the kvstore), and BestCT is the cut with
+the least total time. So a size whose benefit ratio t_c / (t_c^q + t_p^q) sits within
+the margin of 1 goes full precision on every run instead of flipping with the noise of
+the warm-up. The cut compresses every size from BestCT up: a size below the bar can be
+compressed when the larger ones pay for it, and one above it left out when the sizes
+between it and BestCT lose more; explain() says which. A decision saved with save() can
+be replayed: give its JSON file as comm_threshold and the table is loaded instead of
+measured.
 """
 import csv
+import fractions
 import io
 import json
 import logging
@@ -130,20 +134,16 @@ class CTTab:
         t_c^q + t_p^q (each row weighted by its tensor count); rule 'fit' takes both
         from the fitted link, 'measured' as measured. With benefit ratios rising with
         size this is the paper's "smallest size whose ratio > 1 + margin"; unlike that
-        rule, one noisy small tensor with a high ratio cannot drag the cut down. Ties
-        go to the larger cut (fewer tensors compressed).
+        rule, one noisy small tensor with a high ratio cannot drag the cut down. The
+        sums are exact, so explain() can state the decision's reasons without rounding;
+        ties go to the larger cut (fewer tensors compressed).
         """
         check_rule(rule)
-        if not rows:
-            return NEVER
-        fp, q = _columns(rule)
-        cuts = [r["size"] for r in rows] + [NEVER]
-        best, best_cost = NEVER, None
-        for cut in reversed(cuts):
-            cost = sum(r["tensors"] * (r[fp] if r["size"] < cut else (1 + margin) * r[q])
-                       for r in rows)
-            if best_cost is None or cost < best_cost * (1 - 1e-9):
-                best, best_cost = cut, cost
+        saved, best, most = 0, NEVER, 0
+        for r in reversed(rows):
+            saved += _saving(r, rule, margin)
+            if saved > most:
+                best, most = r["size"], saved
         return best
 
     def decide(self):
@@ -178,25 +178,43 @@ class CTTab:
         return int(fixed / variable) if variable > 0 else 0
 
     def explain(self):
-        """Why BestCT is what it is, in one sentence, from the table and the rule."""
+        """Why BestCT is what it is, in one sentence, from the table and the rule.
+
+        Every number it states agrees with the decision: a benefit on the wrong side of
+        the bar at two decimals is printed with more, or said to be just below or above.
+        """
         if not self.rows:
             return "no tensor was measured with both routes, so none is compressed"
-        fp, q = _columns(self.rule)
-        need = 1 + self.margin
-        ratio = {r["size"]: r[fp] / r[q] if r[q] > 0 else math.inf for r in self.rows}
+        own = self.choose(self.rows, self.rule, self.margin)
+        if own != self.best_ct:
+            return ("rank 0's choice, which every worker adopts; this worker's own table gives "
+                    "%s" % format_bytes(own))
+        rows = sorted(self.rows, key=lambda r: r["size"])
+        say = _Benefits(rows, self.rule, self.margin)
+        bar = say.bar_text
+        cost = "a compressed size counting %s times its t^q (cttab_margin %s)" % (
+            bar, _plain(self.margin))
         how = "%s benefit t_c / t^q" % ("fitted" if self.rule == "fit" else "measured")
         if self.best_ct == NEVER:
-            top = max(ratio, key=lambda s: ratio[s])
-            return ("no size's %s reaches %.2f (the best, %s, is %.2f): compression does not "
-                    "pay on this link" % (how, need, format_bytes(top), ratio[top]))
-        below = [s for s in ratio if s < self.best_ct]
-        text = "%s is the smallest size from which compressing is cheaper with a %s of at " \
-               "least %.2f (%.2f there)" % (format_bytes(self.best_ct), how, need,
-                                           ratio.get(self.best_ct, math.nan))
+            top = rows[-1]
+            text = ("no cut lowers the table's total time, %s: compression does not pay on "
+                    "this link; the %s of the largest size, %s, is %s, not above %s"
+                    % (cost, how, format_bytes(top["size"]), say.of(top), bar))
+            return text + say.smaller_paying(rows, "compressing from there")
+        at = [r for r in rows if r["size"] >= self.best_ct]
+        below = [r for r in rows if r["size"] < self.best_ct]
+        text = ("%s and every larger size compressed give the table's least total time, %s: "
+                "the %s is %s at %s, above %s" % (format_bytes(self.best_ct), cost, how,
+                                                  say.of(at[0]), format_bytes(self.best_ct),
+                                                  bar))
         if below:
-            text += "; the next smaller, %s, has %.2f" % (format_bytes(max(below)),
-                                                          ratio[max(below)])
-        return text
+            text += "; the next smaller size, %s, has %s, not above %s" % (
+                format_bytes(below[-1]["size"]), say.of(below[-1]), bar)
+        losing = [r for r in at if not say.pays(r)]
+        if losing:
+            text += ("; compressed though not above %s, as the sizes around them save more: %s"
+                     % (bar, say.listed(losing)))
+        return text + say.smaller_paying(below[:-1], "compressing them")
 
     def state_dict(self):
         return {"mode": self.mode, "warmup_steps": self.warmup_steps, "rule": self.rule,
@@ -309,6 +327,73 @@ def _fitted(row, link):
 def _columns(rule):
     """The (full precision, compressed) time columns a rule compares."""
     return ("fit_t_c", "fit_t_q") if rule == "fit" else ("t_c", "t_q")
+
+
+def _exact(x):
+    """A float as an exact fraction, so sums and comparisons of times do not round."""
+    return fractions.Fraction(x) if math.isfinite(x) else x
+
+
+def _saving(row, rule, margin):
+    """Time a row saves compressed, its compressed time counted 1 + margin times (exact)."""
+    fp, q = _columns(rule)
+    need = 1 + _exact(margin)
+    return row["tensors"] * (_exact(row[fp]) - need * _exact(row[q]))
+
+
+def _plain(x):
+    """A number with as few digits as it needs: 1.5 -> '1.50', 1.333 -> '1.333'."""
+    for digits in range(2, 7):
+        if float("%.*f" % (digits, x)) == x:
+            return "%.*f" % (digits, x)
+    return "%.6f" % x
+
+
+class _Benefits:
+    """The benefit ratios of a table's rows and their bar 1 + margin, written with the same
+    digits, as many as keep each ratio on its side of the bar (up to 6)."""
+
+    def __init__(self, rows, rule, margin):
+        self.rule, self.margin = rule, margin
+        self.bar = 1 + margin
+        fp, q = _columns(rule)
+        self.ratio = {id(r): r[fp] / r[q] if r[q] > 0 else math.inf for r in rows}
+        self.digits = len(_plain(self.bar).split(".")[1])
+        while self.digits < 6 and not all(self._reads_right(r, self.digits) for r in rows):
+            self.digits += 1
+        self.bar_text = "%.*f" % (self.digits, self.bar)
+
+    def pays(self, row):
+        """Whether the row's benefit is above the bar (as choose() weighs it)."""
+        return _saving(row, self.rule, self.margin) > 0
+
+    def _reads_right(self, row, digits):
+        side = _saving(row, self.rule, self.margin)
+        shown = float("%.*f" % (digits, self.ratio[id(row)]))
+        bar = float("%.*f" % (digits, self.bar))
+        return (shown > bar) == (side > 0) and (shown < bar) == (side < 0)
+
+    def of(self, row):
+        """The row's benefit, or 'just below/above BAR' where no 6 digits tell it apart."""
+        if self._reads_right(row, self.digits):
+            return "%.*f" % (self.digits, self.ratio[id(row)])
+        side = _saving(row, self.rule, self.margin)
+        where = "just above" if side > 0 else "just below" if side < 0 else "exactly"
+        return "%s %s" % (where, self.bar_text)
+
+    def listed(self, rows):
+        """'4.0 KiB (2.10), 8.0 KiB (1.90)': the first three of `rows`, then how many more."""
+        text = ", ".join("%s (%s)" % (format_bytes(r["size"]), self.of(r)) for r in rows[:3])
+        return text + (" and %d more" % (len(rows) - 3) if len(rows) > 3 else "")
+
+    def smaller_paying(self, rows, doing):
+        """'; left in full precision though above BAR, ...' for those of `rows` that pay."""
+        paying = [r for r in rows if self.pays(r)]
+        if not paying:
+            return ""
+        return ("; left in full precision though above %s, as %s would also compress the "
+                "larger sizes between, which lose more: %s"
+                % (self.bar_text, doing, self.listed(paying)))
 
 
 DECISION_FORMAT = "slimgc-cttab-1"

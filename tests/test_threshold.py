@@ -183,9 +183,10 @@ def test_the_decision_explains_itself_and_replays_from_its_file(tmp_path):
     _record_link(tab, [1_000, 128_000, 1_000_000], 1e-3, 100e6, lambda n: 2e-4 + n * 1e-9)
     tab.adopt(tab.decide())
     assert tab.best_ct == 128_000
-    assert tab.reason.startswith("125.0 KiB is the smallest size from which compressing is "
-                                 "cheaper with a fitted benefit t_c / t^q of at least 1.25")
-    assert "the next smaller, 1000 B, has 0." in tab.reason
+    assert tab.reason.startswith("125.0 KiB and every larger size compressed give the table's "
+                                 "least total time, a compressed size counting 1.25 times its "
+                                 "t^q (cttab_margin 0.25): the fitted benefit t_c / t^q is ")
+    assert "the next smaller size, 1000 B, has 0.84, not above 1.25" in tab.reason
     tab.save(str(tmp_path / "decision"))
     again = CTTab(str(tmp_path / "decision.json"), warmup_steps=4)
     assert again.phase == "trained" and again.best_ct == 128_000
