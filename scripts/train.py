@@ -191,7 +191,11 @@ def make_kvstore(args):
     params = {k: v for k, v in given.items() if v is not None}
     params.update(codec_options(args.codec_option))
     kv = mx.kv.create("slimgc")
-    kv.set_gradient_compression(params)  # Trainer sets the same again; resolved here for main
+    try:  # Trainer sets the same again; resolved here for main
+        kv.set_gradient_compression(params)
+    except ValueError as exc:  # a bad setting: the message names it and what it takes
+        sys.stderr.write("train.py: error: %s\n" % exc)
+        sys.exit(2)
     args.compressor = kv.config.compressor
     return kv, params
 
@@ -205,6 +209,16 @@ def codec_options(items):
             sys.exit("--codec-option %r: expected NAME=VALUE, e.g. ratio=0.1" % item)
         out[name.strip()] = value.strip()
     return out
+
+
+def check_checkpoint_dir(parser, path):
+    """A usage error when --checkpoint-dir, or a folder above it, is a file."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        parser.error("--checkpoint-dir %s: %s is a file, not a directory; give a directory "
+                     "(created if missing), or move the file away" % (path, here))
 
 
 class PushThenPullTrainer(gluon.Trainer):
@@ -282,7 +296,10 @@ def main(argv=None, on_step=None):
     on_step(trainer), when given, runs before every trainer.step (the cluster harness
     timestamps steps with it).
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.checkpoint_dir:
+        check_checkpoint_dir(parser, args.checkpoint_dir)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.compressor is None and args.kvstore != "slimgc":
         args.compressor = "none"

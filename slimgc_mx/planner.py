@@ -333,18 +333,26 @@ class Planner:
                            make_codec, self.lanes32)
         self.fused = route
         self._apply_bucket_state()
-        log.info("slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes; "
-                 "%d compressed keys below %d bytes into %d", len(members),
-                 sum(b.codec is None for b in route.buckets),
-                 [b.nbytes for b in route.buckets if b.codec is None],
-                 sum(len(b.members) for b in route.buckets if b.codec is not None), limit,
-                 sum(b.codec is not None for b in route.buckets))
+        text = "slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes" % (
+            len(members), sum(b.codec is None for b in route.buckets),
+            [b.nbytes for b in route.buckets if b.codec is None])
+        if self.fuses_compressed():
+            text += "; %d compressed keys below %d bytes into %d" % (
+                sum(len(b.members) for b in route.buckets if b.codec is not None), limit,
+                sum(b.codec is not None for b in route.buckets))
+        log.info("%s", text)
         return route
+
+    def fuses_compressed(self):
+        """Whether compressed keys may share buckets (option fuse_compressed, a codec, offload)."""
+        option = self.config.fuse_compressed
+        return not (option is False or option == "off" or self.codec is None
+                    or not self.config.offload)
 
     def fuse_limit(self):
         """Bytes below which a compressed key goes into a compressed bucket (0: none)."""
         option = self.config.fuse_compressed
-        if option is False or option == "off" or self.codec is None or not self.config.offload:
+        if not self.fuses_compressed():
             return 0
         return self.cttab.fuse_limit() if option == "auto" else int(option)
 

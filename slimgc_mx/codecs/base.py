@@ -142,6 +142,7 @@ class Option:
 
     def parse(self, codec, name, value):
         """The value as `kind`, or a ValueError naming the codec, the option and the rule."""
+        given = value  # what the user wrote, for the message
         if isinstance(value, str):
             try:
                 value = self.kind(value) if self.kind is not bool else _BOOLS[value.lower()]
@@ -152,7 +153,7 @@ class Option:
               or self.kind is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok or not self.check(value):
             raise ValueError("codec %r: option %s=%r: must be %s (e.g. %s=%r)"
-                             % (codec, name, value, self.requirement, name, self.default))
+                             % (codec, name, given, self.requirement, name, self.default))
         return self.kind(value)
 
 
