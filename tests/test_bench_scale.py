@@ -227,12 +227,14 @@ def _run(argv, capsys):
 def test_cli_writes_the_table_json_and_figure(tmp_path, capsys):
     code, out, err = _run(["--models", "resnet50", "--links", "10gbit@50us",
                            "--workers", "8,64", "--schemes", "2bit-full,topk-alone",
-                           "--out", str(tmp_path)], capsys)
+                           "--out", str(tmp_path), "--figure", str(tmp_path / "f.png")],
+                          capsys)
     assert code == 0
     assert "stops paying" in out and "N=64" in out and "topk-alone" in out
     assert "fp32" in out  # the baseline is always there
     png = tmp_path / "scale_speedup.png"
     assert png.stat().st_size > 10000
+    assert (tmp_path / "f.png").read_bytes() == png.read_bytes()
     report = json.loads((tmp_path / "scale.json").read_text())
     table = report["tables"][0]
     assert table["model"] == "resnet50" and table["link"]["latency_s"] == pytest.approx(50e-6)

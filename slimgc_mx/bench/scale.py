@@ -780,7 +780,7 @@ def parse_args(argv, prog):
                "CODEC-full (+ backup: SlimGC); options in brackets, topk[ratio=0.1]-alone. "
                "Default compute: batch x 3 x forward FLOPs at %g TFLOP/s. docs/scale.md has "
                "the formulas.\n\nexamples:\n"
-               "  %%(prog)s --out results/scale\n"
+               "  %%(prog)s --figure docs/figures/scale_speedup.png\n"
                "  %%(prog)s --models bert-base --links 100gbit@20us --workers 16,64 "
                "--schemes fp32,2bit-full,topk-alone\n"
                "  %%(prog)s --validate results/cluster/fc-2w-1gbit/summary.json\n"
@@ -819,6 +819,7 @@ def parse_args(argv, prog):
                    help="the model at the paper's 16-worker setup against its Table 3, Fig. 12")
     p.add_argument("--out", metavar="DIR",
                    help="write scale.json and the figure scale_speedup.png into DIR")
+    p.add_argument("--figure", metavar="PNG", help="write the figure to PNG")
     p.add_argument("--json", metavar="FILE", help="write the predictions as JSON to FILE")
     args = p.parse_args(argv)
     try:
@@ -908,9 +909,11 @@ def main(argv=None, prog="python -m slimgc_mx.bench scale"):
                              "stops_paying": t.stops,
                              "rows": {k: [asdict(p) for p in v] for k, v in t.rows.items()}}
                             for t in tables]
+        figures = [args.figure] if args.figure else []
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            figure = os.path.join(args.out, "scale_speedup.png")
+            figures.append(os.path.join(args.out, "scale_speedup.png"))
+        for figure in figures:
             plot(tables, figure)
             print("wrote %s" % figure)
     paths = [args.json] if args.json else []
