@@ -1,6 +1,7 @@
 """docs/extending.md builds and runs: its code blocks form a codec, compiled into a copy of
 the kernels and held to the codec contract; every name architecture.md and extending.md
-cite exists; README's loc_buf formula is the local update's."""
+cite exists; README's loc_buf formula is the local update's; docs/results.md stays short and
+keeps what other pages cite."""
 import importlib
 import importlib.util
 import inspect
@@ -318,3 +319,32 @@ def test_readme_loc_buf_formula_is_the_local_sgd_step():
              "rescale_grad": rescale, "N": workers}
     readme = eval(formula, {"__builtins__": {}}, names)
     np.testing.assert_allclose(readme, out, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- docs/results.md
+
+def _slug(heading):
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_results_md_is_short_and_keeps_what_others_cite():
+    with open(os.path.join(DOCS, "results.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 600, "results.md holds current tables only (history: git)"
+    headings = [h.strip() for h in re.findall(r"^#+ (.*)$", text, re.M)]
+    cited = []
+    for page in [os.path.join(ROOT, "README.md")] + [
+            os.path.join(DOCS, n) for n in sorted(os.listdir(DOCS)) if n.endswith(".md")]:
+        with open(page, encoding="utf-8") as f:
+            other = " ".join(f.read().split())
+        cited += [(page, "#", a) for a in re.findall(r"results\.md#([\w-]+)", other)]
+        cited += [(page, "", s) for s in re.findall(r'results\.md[,;:]? \(?"([^"]+)"', other)]
+        cited += [(page, "", s) for s in re.findall(r"results\.md, (Table \d+)", other)]
+    assert any(s == "Not measured" for _, _, s in cited), "the citation pattern finds nothing"
+    missing = [(os.path.basename(p), s) for p, kind, s in cited
+               if not (any(_slug(h) == s for h in headings) if kind
+                       else any(h.startswith(s) for h in headings))]
+    assert missing == [], "results.md lost sections other pages cite: %s" % missing
+    for image in re.findall(r"\]\((figures/[^)]+)\)", text):
+        assert os.path.exists(os.path.join(DOCS, image)), image
