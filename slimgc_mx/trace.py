@@ -12,17 +12,19 @@ puts the ranks side by side (one process row each), and
 
     python -m slimgc_mx.trace cycles --first-step 12 trace.rank0.json
 
-prints each key's median cycle (local update -> sums back -> published). docs/trace.md
+prints each key's median cycle (local update -> sums back -> published), over how many
+of its steps, and why its other steps are left out (warm-up, fused, ...). docs/trace.md
 shows one.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: The stages a span can name, in pipeline order (docs/trace.md says what each covers).
 STAGES = ("local update", "encode", "transfer", "decode", "global update")
@@ -117,7 +119,8 @@ def merge(out, paths):
 class KeyCycle:
     """Medians over the steps of one key in one rank's trace, in ms from its local update
     (queued on the training thread): until its sums were back, and until its global
-    update had published (the key's cycle); `transfer`: the transfer spans' own length."""
+    update had published (the key's cycle); `transfer`: the transfer spans' own length.
+    `steps` counts the steps measured; `left_out`, the key's other steps by reason."""
 
     key: str
     steps: int
@@ -125,20 +128,39 @@ class KeyCycle:
     cycle: float
     transfer: float
     pieces: int  # encode spans of a streamed push (0: encoded whole)
+    left_out: dict = field(default_factory=dict)  # reason (LEFT_OUT) -> steps
+
+
+#: Why a step of a key is not in its cycle: each needs the key's local update, transfer
+#: and global update under its own name, from --first-step on.
+LEFT_OUT = {
+    "early": "before --first-step",
+    "fused": "fused",  # in a fused bucket (option fuse): the bucket's spans name the bucket
+    "no local update": "without a local update",  # backup off, or no optimizer
+    "unfinished": "unfinished",  # its transfer or global update is not in the file
+}
 
 
 def cycles(path, first_step=0):
-    """A KeyCycle per key of a rank's trace that has a local update, transfer and global
-    update at steps >= first_step (leave the warm-up out)."""
+    """A KeyCycle per key of a rank's trace: medians over its steps >= first_step (leave
+    the warm-up out) with a local update, transfer and global update of its own (NaN
+    when none has), and its other steps counted by why they are left out."""
     events = read(path)["traceEvents"]
-    pushes = {}
+    pushes, fused_steps = {}, set()
     for e in events:
         args = e.get("args", {})
-        if e.get("ph") == "X" and args.get("step", -1) >= first_step:
+        if e.get("ph") != "X" or "step" not in args:
+            continue
+        if str(args.get("key", "")).endswith("(fused)"):
+            fused_steps.add(args["step"])
+        else:
             pushes.setdefault((args["key"], args["step"]), {}).setdefault(e["name"], []).append(e)
-    rows = {}
-    for (key, _), spans in pushes.items():
-        if not {"local update", "transfer", "global update"} <= set(spans):
+    rows, left_out = {}, {}
+    for (key, step), spans in pushes.items():
+        out = left_out.setdefault(key, {})
+        reason = _left_out(spans, step, first_step, fused_steps)
+        if reason is not None:
+            out[reason] = out.get(reason, 0) + 1
             continue
         start = spans["local update"][0]["ts"]
         ends = {name: max(e["ts"] + e["dur"] for e in spans[name]) for name in spans}
@@ -146,8 +168,38 @@ def cycles(path, first_step=0):
         pieces = sum("piece" in e["args"] for e in spans.get("encode", []))
         rows.setdefault(key, []).append((ends["transfer"] - start, ends["global update"] - start,
                                          ends["transfer"] - first, pieces))
-    return [KeyCycle(key, len(r), *(statistics.median(x[i] for x in r) / 1e3 for i in range(3)),
-                     max(x[3] for x in r)) for key, r in sorted(rows.items())]
+    return [KeyCycle(key, len(r), *(statistics.median(x[i] for x in r) / 1e3 if r else math.nan
+                                    for i in range(3)),
+                     max((x[3] for x in r), default=0), left_out[key])
+            for key, r in sorted((key, rows.get(key, [])) for key in left_out)]
+
+
+def _left_out(spans, step, first_step, fused_steps):
+    """Why this step of a key is not measured (a LEFT_OUT key), or None."""
+    if step < first_step:
+        return "early"
+    if "transfer" not in spans and step in fused_steps:
+        return "fused"
+    if "local update" not in spans:
+        return "no local update"
+    if not {"transfer", "global update"} <= set(spans):
+        return "unfinished"
+    return None
+
+
+def describe_left_out(left_out):
+    """'12 before --first-step, 20 fused' (or '-')."""
+    return ", ".join("%d %s" % (left_out[k], text) for k, text in LEFT_OUT.items()
+                     if left_out.get(k)) or "-"
+
+
+#: Printed above the cycles table: what its step counts are.
+CYCLES_NOTE = (
+    "steps: the steps of a key measured, those from --first-step {first} on whose local "
+    "update, transfer and global update all ran under the key's own name; 'left out' "
+    "counts its other steps: before --first-step (the warm-up), fused (sent in a bucket "
+    "with other keys, option fuse, once the CTTab has decided), without a local update "
+    "(model backup off), unfinished (not complete when the trace was written)")
 
 
 def main(argv=None):
@@ -158,7 +210,8 @@ def main(argv=None):
     m.add_argument("out", help="the merged trace to write")
     m.add_argument("files", nargs="+", help="the ranks' trace files")
     c = sub.add_parser("cycles", help="per key, medians in ms from its local update until "
-                       "its sums are back and until its global update has published")
+                       "its sums are back and until its global update has published, the "
+                       "steps they are over and why other steps are left out")
     c.add_argument("files", nargs="+", help="trace files (one rank each)")
     c.add_argument("--first-step", type=int, default=0,
                    help="leave out earlier steps, e.g. the warm-up (default: %(default)s)")
@@ -175,13 +228,21 @@ def main(argv=None):
     except (OSError, ValueError) as exc:
         print("%s: error: %s" % (p.prog, exc), file=sys.stderr)
         return 2
-    print("| file | key | steps | to sums back, ms | cycle, ms | transfer, ms | pieces |")
-    print("|---|---|---|---|---|---|---|")
+    print(CYCLES_NOTE.format(first=args.first_step))
+    print()
+    print("| file | key | steps | to sums back, ms | cycle, ms | transfer, ms | pieces | "
+          "left out |")
+    print("|---|---|---|---|---|---|---|---|")
     for path, r in rows:
-        print("| %s | %s | %d | %.0f | %.0f | %.0f | %d |" % (
-            os.path.basename(path), r.key, r.steps, r.sums_back, r.cycle, r.transfer,
-            r.pieces))
+        print("| %s | %s | %d | %s | %s | %s | %d | %s |" % (
+            os.path.basename(path), r.key, r.steps, _ms(r.sums_back), _ms(r.cycle),
+            _ms(r.transfer), r.pieces, describe_left_out(r.left_out)))
     return 0
+
+
+def _ms(value):
+    """A median in whole ms, '-' for none."""
+    return "-" if math.isnan(value) else "%.0f" % value
 
 
 if __name__ == "__main__":

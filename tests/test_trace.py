@@ -80,3 +80,36 @@ def test_cycles_are_medians_from_the_local_update(tmp_path, capsys):
     assert [r.steps for r in trace.cycles(path, first_step=1)] == [2]
     assert trace.main(["cycles", path]) == 0
     assert "| t.rank0.json | w | 3 | 4 | 10 | 3 | 2 |" in capsys.readouterr().out
+
+
+def test_cycles_say_which_steps_they_count_and_why_others_are_left_out(tmp_path, capsys):
+    """A 40-step run printed '8 steps' per key with no word on why: the steps fused with
+    other keys and those before --first-step are counted, by reason, in 'left out'."""
+    t = trace.Trace(str(tmp_path / "t.json"))
+    bucket = "parameters w, b (fused)"
+    for step in range(8):
+        s0 = t._t0 + step
+        if step != 7:
+            t.span("local update", s0, s0 + 1e-3, key="w", step=step)
+        owner = bucket if step in (4, 5) else "w"
+        if step != 6:  # step 6 never finished
+            t.span("transfer", s0 + 1e-3, s0 + 2e-3, key=owner, step=step, round=0)
+            t.span("global update", s0 + 2e-3, s0 + 3e-3, key=owner, step=step)
+    path = t.write()
+    (row,) = trace.cycles(path, first_step=2)
+    assert row.steps == 2  # steps 2 and 3
+    assert row.left_out == {"early": 2, "fused": 2, "unfinished": 1, "no local update": 1}
+    assert trace.main(["cycles", "--first-step", "2", path]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("steps: the steps of a key measured, those from --first-step 2 on ")
+    assert ("| 2 before --first-step, 2 fused, 1 without a local update, 1 unfinished |"
+            in out)
+
+
+def test_a_fused_run_shows_its_fused_steps(tmp_path, capsys):
+    path = str(tmp_path / "run.json")
+    slimgc_workers(2, lambda: dense_net([16, 4]), batches(6), compressor="2bit",
+                   comm_threshold=10 ** 9, trace=path)  # all full precision: fused
+    rows = trace.cycles(trace.rank_path(path, 0))
+    assert rows and all(r.left_out.get("fused", 0) > 0 for r in rows)
+    assert all(r.steps + sum(r.left_out.values()) == 6 for r in rows)
