@@ -21,7 +21,8 @@ def test_kernel_equals_reference(n_workers, size, options):
 def test_threads_and_orders_and_error_feedback():
     check_threads_bitwise_equal("terngrad")
     check_sums_in_any_order_decode_alike("terngrad")
-    check_error_feedback_identity("terngrad", options={"error_feedback": True})
+    check_error_feedback_identity("terngrad", options={"error_feedback": True,
+                                                       "allow_unbiased_feedback": True})
     check_state_round_trip("terngrad", {"clip_sigma": 2.5})
 
 
@@ -70,7 +71,8 @@ def test_unbiased_codecs_keep_only_the_clipped_part_unless_asked(name, reference
     rng = np.random.default_rng(3)
     g = rng.standard_normal(3000).astype(np.float32)
     for feedback in (False, True):
-        c = codecs.create(name, reference=reference, error_feedback=feedback, num_threads=2)
+        c = codecs.create(name, reference=reference, error_feedback=feedback,
+                          allow_unbiased_feedback=feedback, num_threads=2)
         c.load_state_dict(dict(c.state_dict(), **({"scale": 1.0} if name == "terngrad"
                                                   else {"norms": [1.0] * 6})))
         residual = np.full(3000, 0.25, np.float32)

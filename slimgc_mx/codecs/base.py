@@ -226,10 +226,15 @@ class Codec:
                 self.name, ", ".join(unknown), ", ".join(sorted(self.options)) or "none"))
         self.option_values = {name: spec.parse(self.name, name, options.get(name, spec.default))
                               for name, spec in sorted(self.options.items())}
+        self.check_options()
         self.seed = 0  # this key's RNG key (rng.key_seed of the job seed and the key)
         self.pushes = 0  # sums decoded so far: the step every worker agrees on
         self.optimizer_view = None  # an OptimizerView, for a codec that wants_optimizer
         self._cache = {}
+
+    def check_options(self):
+        """Refuse a combination of options known not to train (ValueError naming the
+        option, why and the fix); called once the options are parsed."""
 
     @property
     def threshold(self):

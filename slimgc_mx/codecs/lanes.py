@@ -18,6 +18,7 @@ the same arithmetic, bitwise equal, the test oracle. A codec file gives `_levels
 import functools
 import math
 import numbers
+import warnings
 
 import numpy as np
 
@@ -93,11 +94,37 @@ def chunk_sum(values, k):
 #: The `error_feedback` option of an unbiased quantizer (terngrad, qsgd). Off by default:
 #: their rounding noise can exceed the gradient and would pile up in the residual
 #: (docs/codecs.md has the measurement), so the residual keeps only what the shared,
-#: previous-step scale clipped (a reference codec gives `_clipped(c)`).
+#: previous-step scale clipped (a reference codec gives `_clipped(c)`). On, it is refused
+#: unless ALLOW_UNBIASED_FEEDBACK overrides (refuse_divergent).
 NO_FEEDBACK_BY_DEFAULT = Option(
     bool, False, lambda v: True,
     "true or false (true: the residual keeps everything a push does not send, noise "
-    "included, as the biased codecs do)")
+    "included, as the biased codecs do; needs allow_unbiased_feedback=true)")
+
+#: The override of refuse_divergent: run a combination known to diverge, warned once.
+ALLOW_UNBIASED_FEEDBACK = Option(
+    bool, False, lambda v: True,
+    "true or false (true: run an unbiased quantizer's rounding noise through error "
+    "feedback although it is known to diverge; warned once)")
+
+#: Why error feedback on an unbiased quantizer diverges, as the refusal says it.
+NOISE_GROWS = ("keeps the unbiased quantizer's rounding noise in the residual, where it "
+               "comes back larger at every push until training diverges (docs/codecs.md, "
+               "\"Error feedback on unbiased quantizers\")")
+_WARNED = set()  # (codec, setting) overrides already warned about in this process
+
+
+def refuse_divergent(codec, setting, fix):
+    """Refuse `setting` of `codec` (ValueError: the option, why it diverges, `fix` and the
+    override), or with allow_unbiased_feedback=true warn once per process and go on."""
+    why = "codec %r: %s %s" % (codec.name, setting, NOISE_GROWS)
+    if not codec.option_values["allow_unbiased_feedback"]:
+        raise ValueError("%s; %s, or pass allow_unbiased_feedback=true to run it anyway"
+                         % (why, fix))
+    if (codec.name, setting) not in _WARNED:
+        _WARNED.add((codec.name, setting))
+        warnings.warn("%s; running it because allow_unbiased_feedback=true" % why,
+                      UserWarning, stacklevel=2)
 
 
 class LaneCodec(Codec):

@@ -7,7 +7,8 @@ are shared, so the workers' levels add in radix 2sN+1 lanes: every worker gather
 per-bucket L2 norms of c in its slot of the trailer, and decode() sets the NEXT push's
 norms to their maximum over workers. What lies above a norm stays in the residual (the
 first push has norms 0, sends zeros and keeps the gradient); the rounding noise does too
-only with option error_feedback=true (lanes.NO_FEEDBACK_BY_DEFAULT).
+only with option error_feedback=true (lanes.NO_FEEDBACK_BY_DEFAULT), which is refused
+unless allow_unbiased_feedback=true (lanes.refuse_divergent).
 
 The option `levels` is the paper's s (levels per sign); the lane codec's L is 2s + 1.
 Buckets lie inside the kernels' chunks (CHUNK_LANES * k elements), so each bucket's norm
@@ -17,7 +18,8 @@ import numpy as np
 
 from . import rng
 from .base import Option, kernels
-from .lanes import NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference
+from .lanes import (ALLOW_UNBIASED_FEEDBACK, NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference,
+                    refuse_divergent)
 from .layout import CHUNK_LANES
 from .registry import register
 
@@ -48,14 +50,21 @@ class QSGD(LaneCodec):
     stochastic = True
     fuses_local_update = True
     options = {
-        "levels": Option(int, 4, lambda v: 1 <= v <= 32767,
+        "levels": Option(int, 16, lambda v: 1 <= v <= 32767,
                          "an integer s in 1..32767 (levels per sign; 2s + 1 levels in all)"),
         "bucket_size": Option(int, 512, _is_bucket_size,
                               "a power of two in 1..%d: a bucket must lie inside one of the "
                               "kernels' chunks of %d lanes * k elements, so that its norm does "
                               "not depend on the thread count" % (CHUNK_LANES, CHUNK_LANES)),
         "error_feedback": NO_FEEDBACK_BY_DEFAULT,
+        "allow_unbiased_feedback": ALLOW_UNBIASED_FEEDBACK,
     }
+
+    def check_options(self):
+        """error_feedback=true diverges (NO_FEEDBACK_BY_DEFAULT): refused unless overridden."""
+        if self.option_values["error_feedback"]:
+            refuse_divergent(self, "error_feedback=true",
+                             "leave error_feedback false (the default)")
 
     def __init__(self, threshold=None, num_threads=None, **options):
         super().__init__(threshold=threshold, num_threads=num_threads, **options)

@@ -9,7 +9,8 @@ or with option clip_sigma > 0 (default: the paper's 2.5) min(max |c|, clip_sigma
 the paper's clipping of outliers, without which the codec's variance stops training
 (docs/results.md, Table 3). What lies above s stays in the residual (the first push has
 s = 0: it sends only the statistics and the residual keeps the gradient); the rounding
-noise does too only with option error_feedback=true (lanes.NO_FEEDBACK_BY_DEFAULT).
+noise does too only with option error_feedback=true (lanes.NO_FEEDBACK_BY_DEFAULT), which
+is refused unless allow_unbiased_feedback=true (lanes.refuse_divergent).
 """
 import math
 
@@ -17,7 +18,8 @@ import numpy as np
 
 from . import rng
 from .base import Option, kernels
-from .lanes import NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference, SharedScale, chunk_sum
+from .lanes import (ALLOW_UNBIASED_FEEDBACK, NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference,
+                    SharedScale, chunk_sum, refuse_divergent)
 from .registry import register
 
 
@@ -43,7 +45,14 @@ class TernGrad(SharedScale, LaneCodec):
         "clip_sigma": Option(float, 2.5, lambda v: 0 <= v < 1e6 and math.isfinite(v),
                              "a number >= 0 (the paper's 2.5; 0: no clipping)"),
         "error_feedback": NO_FEEDBACK_BY_DEFAULT,
+        "allow_unbiased_feedback": ALLOW_UNBIASED_FEEDBACK,
     }
+
+    def check_options(self):
+        """error_feedback=true diverges (NO_FEEDBACK_BY_DEFAULT): refused unless overridden."""
+        if self.option_values["error_feedback"]:
+            refuse_divergent(self, "error_feedback=true",
+                             "leave error_feedback false (the default)")
 
     def __init__(self, threshold=None, num_threads=None, **options):
         super().__init__(threshold=threshold, num_threads=num_threads, **options)

@@ -20,7 +20,8 @@ import numpy as np
 
 from . import rng
 from .base import NonFiniteGradientError, Option, kernels, raise_nonfinite
-from .lanes import LaneCodec, LaneReference, SharedScale, pack_lanes
+from .lanes import (ALLOW_UNBIASED_FEEDBACK, LaneCodec, LaneReference, SharedScale, pack_lanes,
+                    refuse_divergent)
 from .registry import register
 
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -45,8 +46,17 @@ class THC(SharedScale, LaneCodec):
                               "an integer in 2..65536 (levels of the uniform grid)"),
         "hadamard": Option(bool, False, lambda v: True,
                            "true or false (rotate by a randomized Hadamard transform)"),
+        "allow_unbiased_feedback": ALLOW_UNBIASED_FEEDBACK,
     }
     scale_rule = "a float32 value in [0, 3.4e38]"
+
+    def check_options(self):
+        """Fewer than 4 levels diverge: error feedback (always on) keeps rounding errors up to
+        a step 2M/(g-1) >= M, which raise the next push's M as much as they came from it."""
+        if self.option_values["granularity"] < 4:
+            refuse_divergent(self, "granularity=%d (with error feedback, always on in thc)"
+                             % self.option_values["granularity"],
+                             "use granularity >= 4 (the default is 16)")
 
     @property
     def fuses_local_update(self):
