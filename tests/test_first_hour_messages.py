@@ -55,3 +55,43 @@ def test_a_checkpoint_dir_that_is_a_file_is_a_usage_error(tmp_path, below):
     assert "Traceback" not in r.stderr
     assert ("--checkpoint-dir %s: %s is a file, not a directory; give a directory"
             % (given, existing)) in r.stderr
+
+
+# -- docs in step with the code -------------------------------------------------------------
+
+def _doc(name):
+    with open(os.path.join(ROOT, "docs", name)) as f:
+        return f.read()
+
+
+def _train_parser():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_script", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser()
+
+
+def test_reliability_md_quotes_the_unknown_compressor_message_as_raised():
+    from slimgc_mx.config import SlimGCConfig
+    (row,) = [line for line in _doc("reliability.md").splitlines()
+              if line.startswith("| Unknown compressor |")]
+    quoted = row.split("`")[1]
+    with pytest.raises(ValueError) as exc:
+        SlimGCConfig(compressor="8bit").validate()
+    assert quoted == "ValueError: %s" % exc.value
+
+
+def test_training_md_lists_every_option_and_choice_of_train_py():
+    doc = _doc("training.md")
+    rows = {line.split("`")[1].split()[0]: line for line in doc.splitlines()
+            if line.startswith("| `--")}
+    for action in _train_parser()._actions:
+        names = [n for n in action.option_strings if n.startswith("--") and n != "--help"]
+        if not names:
+            continue
+        assert any(n in doc for n in names), "%s is not in docs/training.md" % names
+        if action.dest in ("kvstore", "compressor"):
+            cell = rows[names[0]].split("`")[1]  # `--kvstore slimgc\|dist_sync\|...`
+            shown = cell.split(None, 1)[1].replace("\\|", "|").split("|")
+            assert sorted(shown) == sorted(action.choices), (names[0], shown)
