@@ -95,3 +95,45 @@ def test_training_md_lists_every_option_and_choice_of_train_py():
             cell = rows[names[0]].split("`")[1]  # `--kvstore slimgc\|dist_sync\|...`
             shown = cell.split(None, 1)[1].replace("\\|", "|").split("|")
             assert sorted(shown) == sorted(action.choices), (names[0], shown)
+
+
+# -- long work tells its pace -----------------------------------------------------------------
+
+def test_the_codecs_bench_says_how_long_it_takes_and_reports_each_codec(capsys):
+    """It printed nothing for minutes: now an estimate first, then a line per codec."""
+    import re
+
+    from slimgc_mx import bench, codecs
+    assert bench.main(["codecs", "--size", "3000", "--repeat", "1", "--reference-repeat",
+                       "1"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    names = codecs.available()
+    assert re.fullmatch(r"codecs: %d codecs on 3000 elements, best of 1 \(NumPy reference: "
+                        r"best of 1\); (under 1 s|about [\d]+ s) in all \(scaled from a trial on "
+                        r"3000 elements, [\d.]+ s\)" % len(names), lines[0])
+    for k, name in enumerate(names, 1):
+        assert re.fullmatch(r"\[%d/%d\] %s, (under|about) [^:]+: all threads [\d.]+ s, "
+                            r"1 thread [\d.]+ s, NumPy reference [\d.]+ s; done in [\d.]+ s"
+                            % (k, len(names), name), lines[k]), lines[k]
+    assert "memcpy" in captured.out and "codecs:" not in captured.out
+
+
+def test_the_readme_bench_example_is_the_quick_run():
+    from slimgc_mx.bench import codecs as bench_codecs
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    assert "bash scripts/run.sh python -m slimgc_mx.bench codecs --quick`" in readme
+    quick = bench_codecs.parse_args(["--quick"], "codecs")
+    assert (quick.size, quick.repeat, quick.reference_repeat) == (1 << 20, 3, 1)
+    assert bench_codecs.parse_args(["--quick", "--size", "4096"], "codecs").size == 4096
+    full = bench_codecs.parse_args([], "codecs")
+    assert (full.size, full.repeat, full.reference_repeat) == (1 << 24, 5, 2)
+
+
+def test_the_quick_run_of_two_codecs_completes(capsys):
+    from slimgc_mx import bench
+    assert bench.main(["codecs", "--quick", "--codecs", "2bit,topk"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("codecs: 2 codecs on 1048576 elements, best of 3")
+    assert "--quick runs in seconds" not in err and "[2/2] topk" in err

@@ -2,7 +2,9 @@
 
 Every rate is elements per second, the best of --repeat runs of the public API with
 caller-owned outputs (as the pipeline calls it), all measured in the same run so the
-ratios compare like with like.
+ratios compare like with like. The full run takes minutes (the NumPy references of
+gcomp and thc are slow): it says up front about how long, from a short trial of every
+codec, and reports each codec as it goes, on stderr; --quick is a run of seconds.
 """
 import argparse
 import json
@@ -20,6 +22,11 @@ from ..env import available_cpus, default_num_threads
 
 DESCRIPTION = "codec encode/decode throughput vs memcpy and the NumPy reference; wire bits"
 WIRE_WORKERS = (1, 2, 4, 8, 16, 32, 64)
+FULL = {"size": 1 << 24, "repeat": 5, "reference_repeat": 2}  # the defaults
+QUICK = {"size": 1 << 20, "repeat": 3, "reference_repeat": 1}  # --quick
+TRIAL_SIZE = 1 << 16  # elements of the trial run that times the estimate
+#: What bench_codec times of each codec, in order: (its key prefix, how progress names it)
+PHASES = (("", "all threads"), ("_1thread", "1 thread"), ("reference_", "NumPy reference"))
 
 
 def parse_args(argv, prog):
@@ -28,17 +35,26 @@ def parse_args(argv, prog):
         epilog="Rates are elements/s, best of --repeat runs (the median is in the JSON). "
                "Encode includes the NaN/Inf pre-check and a multi-round codec's next_round; "
                "decode starts from the wire of --workers identical workers summed. A codec "
-               "that compresses matrices only is timed on the squarest matrix of --size. JSON keys: memcpy_elems_per_s, "
+               "that compresses matrices only is timed on the squarest matrix of --size. "
+               "An estimate of the run's duration, then a line per codec, go to stderr. "
+               "JSON keys: memcpy_elems_per_s, "
                "codecs.<name>.{encode,decode}_elems_per_s (all threads), "
                "codecs.<name>.{encode,decode}_1thread_elems_per_s, "
                "codecs.<name>.reference_{encode,decode}_elems_per_s, ratios, and "
                "wire_bits.<name>.<N> for N in %s." % (", ".join(map(str, WIRE_WORKERS))))
-    p.add_argument("--size", type=int, default=1 << 24,
-                   help="float32 elements per array (default: %(default)s)")
-    p.add_argument("--repeat", type=int, default=5,
-                   help="timed runs per measurement, after one warm-up (default: %(default)s)")
-    p.add_argument("--reference-repeat", type=int, default=2,
-                   help="timed runs of the (slow) NumPy reference (default: %(default)s)")
+    p.add_argument("--size", type=int, default=None,
+                   help="float32 elements per array (default: %d; %d with --quick)"
+                        % (FULL["size"], QUICK["size"]))
+    p.add_argument("--repeat", type=int, default=None,
+                   help="timed runs per measurement, after one warm-up (default: %d; %d with "
+                        "--quick)" % (FULL["repeat"], QUICK["repeat"]))
+    p.add_argument("--reference-repeat", type=int, default=None,
+                   help="timed runs of the (slow) NumPy reference (default: %d; %d with "
+                        "--quick)" % (FULL["reference_repeat"], QUICK["reference_repeat"]))
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: --size %d --repeat %d --reference-repeat %d unless "
+                        "given (under a minute on 2 cores; the full run takes several)"
+                        % (QUICK["size"], QUICK["repeat"], QUICK["reference_repeat"]))
     p.add_argument("--workers", type=int, default=2,
                    help="number of workers N, which sets the lane geometry (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
@@ -51,6 +67,9 @@ def parse_args(argv, prog):
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--seed", type=int, default=0, help="gradient RNG seed (default: 0)")
     args = p.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     names = [n.strip() for n in args.codecs.split(",") if n.strip()]
     unknown = sorted(set(names) - set(codecs.available()))
     if unknown:
@@ -127,20 +146,24 @@ class _Wire:
                 codec.next_round(done, self.recvs[done], self.sends[done + 1], n_workers)
 
 
-def bench_codec(name, args, grad, n_threads):
+def bench_codec(name, args, grad, n_threads, on_phase=None):
     """Rates of one codec: encode/decode with all threads and with one, and the reference.
 
     Encode covers every round a worker computes before decoding (a codec with several
     rounds: encode, then next_round from the sums of N identical workers). One push is
     encoded and decoded first, so that state agreed through decode (scales, code tables,
     slot sizes) is as in training; each timed decode starts from that state.
+    on_phase(title, seconds), if given, hears each of PHASES as it ends.
     """
     n, n_workers = grad.shape[0], args.workers
     threshold = args.threshold if name == "2bit" else None
     view = optimizer_view(n, args.seed) if codecs.create(name).wants_optimizer else None
     result = {}
-    for label, impl in (("", dict(num_threads=n_threads)), ("_1thread", dict(num_threads=1)),
-                        ("reference_", dict(reference=True))):
+    impls = {"": dict(num_threads=n_threads), "_1thread": dict(num_threads=1),
+             "reference_": dict(reference=True)}
+    for label, title in PHASES:
+        started = time.perf_counter()
+        impl = impls[label]
         c = codecs.create(name, threshold=threshold, **impl)
         c.set_optimizer_view(view)
         shape = bench_shape(c, n)
@@ -170,7 +193,73 @@ def bench_codec(name, args, grad, n_threads):
             keys = ("encode" + label, "decode" + label)
         result[keys[0] + "_elems_per_s"], result[keys[0] + "_median_elems_per_s"] = enc
         result[keys[1] + "_elems_per_s"], result[keys[1] + "_median_elems_per_s"] = dec
+        if on_phase is not None:
+            on_phase(title, time.perf_counter() - started)
     return result
+
+
+def _gradient(size, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(size) * 0.5).astype(np.float32)
+
+
+def estimate(args, n_threads):
+    """({codec: seconds}, trial seconds): each codec's time in this run, roughly, scaled
+    from a trial of it on TRIAL_SIZE elements with one timed run of each measurement.
+
+    Each measurement makes 2 + repeat calls of encode and of decode (a first push, a
+    warm-up, the timed runs): the trial's 3, times the size ratio."""
+    trial = argparse.Namespace(**dict(vars(args), size=min(args.size, TRIAL_SIZE), repeat=1,
+                                      reference_repeat=1))
+    grad = _gradient(trial.size, args.seed)
+    started = time.perf_counter()
+    out = {}
+    for name in args.codecs:
+        phases = {}
+        bench_codec(name, trial, grad, n_threads, lambda title, t: phases.update({title: t}))
+        scale = args.size / trial.size
+        out[name] = sum(phases[title] * scale / 3 * (2 + (
+            args.reference_repeat if label == "reference_" else args.repeat))
+            for label, title in PHASES)
+    return out, time.perf_counter() - started
+
+
+def duration(seconds):
+    """'under 1 s', 'about 40 s', 'about 7 min'."""
+    if seconds < 1:
+        return "under 1 s"
+    return "about %.0f s" % seconds if seconds < 90 else "about %.0f min" % (seconds / 60)
+
+
+class Progress:
+    """What the run is doing, on stderr, flushed: the estimate first, then each codec."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+
+    def write(self, text):
+        self.stream.write(text)
+        self.stream.flush()
+
+    def start(self, args, guess, trial_s):
+        self.write("codecs: %d codec%s on %d elements, best of %d (NumPy reference: best of %d)"
+                   "; %s in all (scaled from a trial on %d elements, %.1f s)%s\n"
+                   % (len(args.codecs), "" if len(args.codecs) == 1 else "s", args.size,
+                      args.repeat, args.reference_repeat, duration(sum(guess.values())),
+                      min(args.size, TRIAL_SIZE), trial_s,
+                      "" if args.quick or args.size <= QUICK["size"] else
+                      "; --quick runs in seconds"))
+
+    def codec(self, k, total, name, guess):
+        self.write("[%d/%d] %s, %s:" % (k, total, name, duration(guess)))
+        self._first = True
+
+    def phase(self, title, seconds):
+        self.write("%s %s %.1f s" % ("" if self._first else ",", title, seconds))
+        self._first = False
+
+    def done(self, seconds):
+        self.write("; done in %.1f s\n" % seconds)
 
 
 def gathers(codec, size, num_workers):
@@ -184,10 +273,14 @@ def memcpy_rates(src, repeat):
     return rates(src.shape[0], timed(lambda: np.copyto(dst, src), repeat))
 
 
-def run(args):
+def run(args, progress=None):
+    """The report of the run; `progress` (a Progress) hears the estimate and each codec."""
     n_threads = args.threads or default_num_threads()
-    rng = np.random.default_rng(args.seed)
-    grad = (rng.standard_normal(args.size) * 0.5).astype(np.float32)
+    guess = None
+    if progress is not None:
+        guess, trial_s = estimate(args, n_threads)
+        progress.start(args, guess, trial_s)
+    grad = _gradient(args.size, args.seed)
     memcpy = memcpy_rates(grad, args.repeat)
     report = {
         "machine": {"cpus_available": available_cpus(), "threads": n_threads,
@@ -204,8 +297,14 @@ def run(args):
         "wire_bits": {},
         "wire_route": {},
     }
-    for name in args.codecs:
-        r = bench_codec(name, args, grad, n_threads)
+    for k, name in enumerate(args.codecs, 1):
+        started = time.perf_counter()
+        if progress is not None:
+            progress.codec(k, len(args.codecs), name, guess[name])
+        r = bench_codec(name, args, grad, n_threads,
+                        progress.phase if progress is not None else None)
+        if progress is not None:
+            progress.done(time.perf_counter() - started)
         for op in ("encode", "decode"):
             r[op + "_vs_memcpy"] = r[op + "_elems_per_s"] / memcpy[0]
             r[op + "_vs_reference"] = r[op + "_elems_per_s"] / r["reference_%s_elems_per_s" % op]
@@ -256,7 +355,7 @@ def format_table(report):
 
 def main(argv=None, prog="python -m slimgc_mx.bench codecs"):
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
-    report = run(args)
+    report = run(args, Progress())
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
