@@ -78,7 +78,7 @@ def operations(n):
         "local update (SGD kernel, engine)": (lambda: local(1, grad, glo, loc), 1),
         "NDArray copyto": (lambda: g.copyto(out), 1),
         "_copy operator (copy_array, large)": (lambda: mx.nd.identity(g, out=out), 1),
-        "engine callback (when_readable)": (lambda: engine.when_readable(g, lambda: None), 1),
+        "engine callback (when_readable)": (lambda: engine.when_readable(grad, lambda: None), 1),
         "finite check (numpy)": (lambda: np.isfinite(agg.for_read()).all(), 1),
     }
 
