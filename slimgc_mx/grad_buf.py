@@ -206,12 +206,8 @@ class FusedEncode:
         self.pieces = pieces
 
     def parts(self):
-        """(Piece or None for the whole key, the NDArrays its operator writes besides the
-        local update's output), one per operator."""
-        residual = self.buffers.residual.nd
-        if self.pieces is None:
-            return [(None, [residual, self.send.nd])]
-        return [(p, [residual, p.send]) for p in self.pieces]
+        """What each operator encodes: the Pieces, or [None] for the whole key in one."""
+        return [None] if self.pieces is None else list(self.pieces)
 
     def __call__(self, grad, local, piece=None):
         """Encode `grad` (grad_buf, or the gradient read in place: its held() view), or the

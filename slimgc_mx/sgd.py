@@ -16,8 +16,8 @@ from functools import partial
 import mxnet as mx
 import numpy as np
 
+from . import sgd_rule
 from .env import check_num_threads
-from .codecs.base import kernels
 from .transport import Buffer, wait_to_write
 
 
@@ -63,12 +63,9 @@ class SGDKernel:
     def global_step(self, indices, grads, weights):
         """weights[j] (glo_buf) <- one SGD step with grads[j] (the aggregates), momentum kept."""
         opt = self.updater.optimizer
-        for index, grad, weight, (lr, wd) in zip(indices, grads, weights, _count(opt, indices)):
-            mom = self.momentum(index, weight.nd.shape)
-            w = weight.for_write()
-            m = mom.for_write() if mom is not None else None
-            kernels().sgd_step(w, grad.for_read(), m, m, w, lr, wd, opt.rescale_grad,
-                               opt.momentum, _clip(opt), self.num_threads)
+        for index, grad, weight, step in zip(indices, grads, weights, _steps(opt, indices)):
+            sgd_rule.global_step(step, grad, weight, self.momentum(index, weight.nd.shape),
+                                 self.num_threads)
 
     def global_step_decoding(self, index, lanes, table, weight, checked=False):
         """global_step of one key whose aggregate is decoded from `lanes` on the fly.
@@ -77,14 +74,10 @@ class SGDKernel:
         those of decode + global_step, without writing the aggregate to memory.
         checked: the lanes were found in range (kernels.count_lanes_outside) by the caller.
         """
-        opt = self.updater.optimizer
-        (lr, wd), = _count(opt, [index])
-        mom = self.momentum(index, weight.nd.shape)
-        k, m, rows = table
-        kernels().decode_sgd_step(lanes.for_read(), rows, k, m, weight.for_write(),
-                                  mom.for_write() if mom is not None else None, lr, wd,
-                                  opt.rescale_grad, opt.momentum, _clip(opt), self.num_threads,
-                                  checked)
+        step, = _steps(self.updater.optimizer, [index])
+        sgd_rule.global_step_decoding(step, lanes, table, weight,
+                                      self.momentum(index, weight.nd.shape), self.num_threads,
+                                      checked)
 
     def local_step(self, opt, index, grad, weight, out, engine=None, check=None, encoder=None):
         """out <- one step of `opt`'s settings from `weight`, reading the global momentum.
@@ -98,32 +91,17 @@ class SGDKernel:
         operator per piece when it has pieces; `grad` may then be MXNet's own gradient
         (transport.ArrayInPlace).
         """
-        (lr, wd), = _count(opt, [index])
-        rescale, momentum, clip = opt.rescale_grad, opt.momentum, _clip(opt)
+        step, = _steps(opt, [index])
         mom = self.momentum(index, weight.nd.shape)
         reads = [buf.nd for buf in [grad, weight] + ([mom] if mom is not None else [])]
-        parts = encoder.parts() if encoder is not None else [(None, [])]
         if check is not None:
             check.ready = out
-
-        def run(piece):
-            m = mom.held() if mom is not None else None
-            if encoder is not None:
-                w, o = weight.held(), out.held()
-                if piece is not None:
-                    part = slice(piece.lo, piece.hi)
-                    w, o, m = w[part], o[part], (m[part] if m is not None else None)
-                encoder(grad, kernels().LocalSGD(w, m, o, lr, wd, rescale, momentum, clip),
-                        piece)
-                return
-            bad = kernels().sgd_step(weight.held(), grad.held(), m, None, out.held(), lr, wd,
-                                     rescale, momentum, clip, self.num_threads,
-                                     check is not None)
-            if check is not None:
-                check.nonfinite = bad
-
-        for piece, writes in parts:
-            writes = [out.nd] + writes
+        run = sgd_rule.local_pass(step, grad, weight, out, mom, self.num_threads, check, encoder)
+        for piece in encoder.parts() if encoder is not None else [None]:
+            writes = [out.nd]
+            if encoder is not None:  # the residual, and the lanes of the key or its piece
+                writes += [encoder.buffers.residual.nd,
+                           encoder.send.nd if piece is None else piece.send]
             if engine is None:
                 for nd in reads:
                     nd.wait_to_read()
@@ -132,6 +110,13 @@ class SGDKernel:
                 run(piece)
             else:
                 engine.run(partial(run, piece), reads, writes)
+
+
+def _steps(opt, indices):
+    """Count an update of `indices`, as MXNet's optimizer does; their SGDSteps."""
+    clip = _clip(opt)
+    return [sgd_rule.SGDStep(lr, wd, opt.rescale_grad, opt.momentum, clip)
+            for lr, wd in _count(opt, indices)]
 
 
 def _count(opt, indices):
