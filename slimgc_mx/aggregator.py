@@ -189,6 +189,8 @@ class Aggregator:
             self._submit(bucket.take(self.name_of))
         self.planner.steps[key] = step + 1
         if not self.config.backup and outs is not None:
+            if not self.framework.arrays.can_hold:
+                self.send_pending()  # it waits below: a bucket must not wait for later keys
             self.backup.write_back(key, step + 1, outs)
 
     def _fused_encoder(self, transfer):
