@@ -203,6 +203,9 @@ class CTTab:
             return text + say.smaller_paying(rows, "compressing from there")
         at = [r for r in rows if r["size"] >= self.best_ct]
         below = [r for r in rows if r["size"] < self.best_ct]
+        if not at:  # a cut no measured size reaches (a fixed or replayed one)
+            return "%s is above every measured size, so none is compressed" % (
+                format_bytes(self.best_ct),)
         text = ("%s and every larger size compressed give the table's least total time, %s: "
                 "the %s is %s at %s, above %s" % (format_bytes(self.best_ct), cost, how,
                                                   say.of(at[0]), format_bytes(self.best_ct),

@@ -159,3 +159,13 @@ def test_a_worker_adopting_rank_0s_cut_does_not_explain_it_with_its_own_table():
     assert tab.reason == ("rank 0's choice, which every worker adopts; this worker's own "
                           "table gives 48.0 KiB")
     assert _adopted(rows, 0.5).reason.startswith("48.0 KiB and every larger size")
+
+
+def test_a_cut_above_every_measured_size_is_explained_not_raised():
+    """A BestCT no row reaches (rank 0's, or a replayed one) says nothing is compressed."""
+    from slimgc_mx.threshold import CTTab
+    table = CTTab("auto", warmup_steps=2, rule="measured")
+    table.rows = [{"size": 400, "tensors": 1, "t_c": 1e-3, "t_q": 6e-4, "ratio": 1.7}]
+    table.choose = staticmethod(lambda rows, rule="fit", margin=0.0: 4096)
+    table.best_ct = 4096
+    assert table.explain() == "4.0 KiB is above every measured size, so none is compressed"
