@@ -5,13 +5,11 @@ gradients, so tests can compare the two and run the engine without MXNet.
 Gradients are fixed per (step, rank, key) rather than computed from the weights: the
 test is of the engine, not of a model.
 """
-import threading
-
 import numpy as np
 
 from slimgc_mx.aggregator import Aggregator
 from slimgc_mx.config import SlimGCConfig
-from slimgc_mx.transport import ThreadGroup
+from thread_workers import in_threads
 
 SHAPES = [(3,), (16, 12), (40, 50), (7,), (64, 33)]
 
@@ -30,27 +28,8 @@ def run(framework, w0, grads, optimizer, config):
     it, each a list over keys; the aggregator's transfer stats).
 
     framework: 'numpy' or 'mxnet'; optimizer: (learning_rate, momentum, wd, rescale_grad)."""
-    num_workers = len(grads[0])
-    group = ThreadGroup(num_workers)
-    results, errors = [None] * num_workers, []
-
-    def worker(rank):
-        try:
-            results[rank] = _worker(framework, group.transport(rank), w0, grads, rank,
-                                    optimizer, config)
-        except BaseException as exc:  # re-raised on the calling thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(num_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError("a worker of the %s engine did not finish in 120 s" % framework)
-    return results
+    return in_threads(len(grads[0]), lambda rank, transport: _worker(
+        framework, transport, w0, grads, rank, optimizer, config))
 
 
 def _worker(framework, transport, w0, grads, rank, optimizer, config):

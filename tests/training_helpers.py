@@ -8,7 +8,8 @@ from mxnet import autograd, gluon
 
 import slimgc_mx
 from slimgc_mx.kvstore import SlimGC
-from slimgc_mx.transport import Buffer, ThreadGroup
+from slimgc_mx.transport import Buffer
+from thread_workers import in_threads  # noqa: F401  (tests call th.in_threads)
 
 _INIT_LOCK = threading.Lock()  # worker threads must not share MXNet's RNG while seeding
 
@@ -49,28 +50,6 @@ def train(trainer, net, data):
 
 def weights(net):
     return [p.data().asnumpy().copy() for p in net.collect_params().values()]
-
-
-def in_threads(num_workers, fn, piece_bytes=0):
-    """Run fn(rank, transport) on num_workers threads; re-raise the first failure.
-    piece_bytes: buffers larger than this travel as pieces (ThreadGroup)."""
-    group = ThreadGroup(num_workers, piece_bytes=piece_bytes)
-    results, errors = [None] * num_workers, []
-
-    def run(rank):
-        try:
-            results[rank] = fn(rank, group.transport(rank))
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
 
 
 def slimgc_workers(num_workers, make_net, data, sgd_class=mx.optimizer.SGD, momentum=0.9,
