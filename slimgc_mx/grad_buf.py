@@ -123,7 +123,13 @@ class KeyBuffers:
 
 def _round_sets(classes, make_buffer):
     """WireRounds per slot class; with several classes, round i's buffers of every class are
-    views of the largest one's (a key has one transfer in flight, so one class at a time)."""
+    views of the largest one's (a key has one transfer in flight, so one class at a time).
+    Classes that declare the same rounds (gcomp's slot in pieces) share one set: one wire
+    key, and buffers of one piece."""
+    if all(rounds == classes[0] for rounds in classes):
+        shared = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
+                  for route, send, recv, dtype in classes[0]]
+        return [shared] * len(classes)
     if len(classes) == 1:
         return [[WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
                  for route, send, recv, dtype in classes[0]]]

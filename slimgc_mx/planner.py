@@ -224,6 +224,8 @@ class Planner:
         self.transport.declare(b.wire.fp, b.grad_buf)
         for c, rounds in enumerate(b.round_sets):
             for i, r in enumerate(rounds):
+                if r.key is not None:  # a round every slot class shares: declared once
+                    continue
                 r.key = b.wire.bit if c == i == 0 else self.transport.keys.rounds(1)[0]
                 if r.route == "sum":
                     self.transport.declare(r.key, r.wire_send)

@@ -11,7 +11,9 @@ lanes. The code table is shared state: every K pushes each worker rebuilds it fr
 exponent histogram of all N decoded payloads, which every worker decodes alike. Slots
 come in pre-declared size classes; decode picks the next push's class from the
 payload lengths every worker reported, and blocks that outgrow their slot stay in the
-residual (docs/codecs.md).
+residual. A large key's slot travels in pieces, one gather round each on one wire key,
+and is decoded piece by piece, so that a worker never holds N whole slots
+(docs/codecs.md).
 """
 import heapq
 import math
@@ -44,6 +46,11 @@ TOP_BITS = 34.0
 MIN_BITS = 2.0
 #: Bits of one value beyond its exponent code: sign, level, mantissa at level 0.
 REST_BITS = 26
+#: A slot whose largest class exceeds this many lanes travels in pieces of at least as
+#: many (1 MiB), one gather round each; its classes are 1..MAX_PIECES pieces.
+PIECE_LANES = 1 << 18
+#: The most pieces of a streamed slot (its pulled N pieces are 1/MAX_PIECES of N slots).
+MAX_PIECES = 32
 
 
 def _int_list(values, count, name, low, high):
@@ -150,12 +157,15 @@ class Table:
         self.max_record = int(self.length.max()) + REST_BITS
 
 
-def geometry(size, ratio):
-    """(blocks, header lanes, row width, rows of each slot class, largest first).
+def layout(size, ratio):
+    """(blocks, header lanes, row width, rows of each slot class, largest first, rows of a
+    piece: 0 when the slot travels whole).
 
     Class c holds size * TOP_BITS / ratio**c bits (down to MIN_BITS per element) plus
     the header, in rows of `cols` lanes: rows of up to 1024 lanes (4 KiB), at least ~64
-    rows in the largest class so that the classes can differ.
+    rows in the largest class so that the classes can differ. A largest class of more
+    than PIECE_LANES lanes is cut into k <= MAX_PIECES equal pieces instead, and the
+    classes are k, k-1, .., 1 pieces: each push gathers its class's pieces one by one.
     """
     blocks = -(-size // BLOCK)
     header = HEADER + blocks
@@ -171,7 +181,17 @@ def geometry(size, ratio):
         if not rows or r < rows[-1]:
             rows.append(r)
         c += 1
-    return blocks, header, cols, tuple(rows)
+    if rows[0] * cols <= PIECE_LANES:
+        return blocks, header, cols, tuple(rows), 0
+    k = min(MAX_PIECES, -(-rows[0] * cols // PIECE_LANES))
+    piece = -(-rows[0] // k)
+    return blocks, header, cols, tuple((k - c) * piece for c in range(k)), piece
+
+
+def geometry(size, ratio):
+    """(blocks, header lanes, row width, rows of each slot class, largest first): layout()
+    without the piece."""
+    return layout(size, ratio)[:4]
 
 
 @register
@@ -206,6 +226,8 @@ class GComp(Codec):
         self.wire_class = 0
         self._set_table(np.zeros(256, dtype=np.uint8))
         self.stats = {}  # the last encode's and decode's lengths (for measurements)
+        self._outgoing = None  # a streamed push's encoded slot, sent piece by piece
+        self._incoming = None  # the pieces of every worker's slot decoded so far
 
     # ------------------------------------------------------------ shared state
     def _set_table(self, lengths):
@@ -235,13 +257,16 @@ class GComp(Codec):
         self.wire_class = wire_class
 
     # ------------------------------------------------------------ the wire
-    def _geometry(self, size):
+    def _layout(self, size):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError("size must be an integer >= 0, got %r" % (size,))
-        key = ("geometry", int(size))
+        key = ("layout", int(size))
         if key not in self._cache:
-            self._cache[key] = geometry(int(size), self.class_ratio)
+            self._cache[key] = layout(int(size), self.class_ratio)
         return self._cache[key]
+
+    def _geometry(self, size):
+        return self._layout(size)[:4]
 
     def _class_rows(self, size):
         _, _, cols, rows = self._geometry(size)
@@ -257,6 +282,11 @@ class GComp(Codec):
         cols, rows = self._class_rows(size)
         return rows * cols
 
+    def piece_lanes(self, size):
+        """Lanes of one piece of a slot that travels in pieces, else 0 (it travels whole)."""
+        _, _, cols, _, piece = self._layout(size)
+        return piece * cols
+
     def wire_bits_per_element(self, num_workers):
         """Bits per element pushed in the largest slot class (24 payload bits per 32-bit
         lane), an upper bound: the slots follow the data (docs/codecs.md has the measured
@@ -265,13 +295,38 @@ class GComp(Codec):
 
     def wire_rounds(self, size, shape, num_workers):
         n = check_num_workers(num_workers)
+        _, _, cols, _, piece = self._layout(size)
+        if piece:
+            return [("gather", (piece, cols), (n * piece, cols), self.wire_dtype)]
         cols, rows = self._class_rows(size)
         return [("gather", (rows, cols), (n * rows, cols), self.wire_dtype)]
 
     def wire_classes(self, size, shape, num_workers):
+        """One gather round per class; a slot in pieces: the same piece round for every
+        class (one wire key), which a push exchanges once per piece (push_rounds)."""
         n = check_num_workers(num_workers)
-        _, _, cols, rows = self._geometry(size)
+        _, _, cols, rows, piece = self._layout(size)
+        if piece:
+            return [self.wire_rounds(size, shape, n) for _ in rows]
         return [[("gather", (r, cols), (n * r, cols), self.wire_dtype)] for r in rows]
+
+    def push_rounds(self, size, num_workers):
+        """The next push's exchanges: one per piece of its slot (one when it travels whole)."""
+        check_num_workers(num_workers)
+        _, rows = self._class_rows(size)
+        piece = self._layout(size)[4]
+        return (0,) * (rows // piece if piece else 1)
+
+    def work_bytes(self, size, num_workers):
+        """Bytes of the work arrays this codec holds for a key of `size` elements beyond the
+        key's buffers, at the largest class: the encoder's scratch (one stride per block,
+        which a streamed push also keeps its decoded blocks in) and a streamed round's
+        staging (every worker's piece and the lanes of a block it cuts)."""
+        n = check_num_workers(num_workers)
+        blocks, _, _, _, piece = self._layout(size)
+        scratch = blocks * (-(-BLOCK * (8 + REST_BITS) // 24) + 1)
+        stage = n * (self.piece_lanes(size) + -(-BLOCK * (8 + REST_BITS) // 24)) if piece else 0
+        return 4 * (scratch + stage + (-(-size // MAX_PIECES) if piece else 0))
 
     # ------------------------------------------------------------ delta -> level
     def _level_args(self, size):
@@ -320,7 +375,9 @@ class GComp(Codec):
 
         grad, residual: 1-D C-contiguous float32 of equal length. NaN/Inf in grad raises
         NonFiniteGradientError before residual or out is touched (unless grad_checked).
-        Blocks beyond the slot are not sent and their values stay in the residual.
+        Blocks beyond the slot are not sent and their values stay in the residual. An
+        `out` of one piece (piece_lanes) of a slot of several gets the slot's first piece;
+        next_round writes the others.
         """
         n_workers = check_num_workers(num_workers)
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) \
@@ -333,8 +390,15 @@ class GComp(Codec):
                              % (residual.shape[0], grad.shape[0]))
         size = grad.shape[0]
         n_lanes = self.lane_count(size, n_workers)
-        out = output(out, n_lanes, self.wire_dtype)
+        piece = self.piece_lanes(size)
+        streamed = piece and n_lanes > piece and isinstance(out, np.ndarray) \
+            and out.ndim == 1 and out.shape[0] == piece
+        if streamed:
+            check_vector("out", out, self.wire_dtype, writeable=True, length=piece)
+        else:
+            out = output(out, n_lanes, self.wire_dtype)
         check_disjoint(grad=grad, residual=residual, out=out)
+        self._outgoing = None
         blocks, header, _, _ = self._geometry(size)
         args = self._level_args(size)
         stride = -(-BLOCK * self.table.max_record // 24) + 1
@@ -344,16 +408,23 @@ class GComp(Codec):
         sent = int(np.searchsorted(ends, n_lanes, side="right"))
         wanted = int(ends[-1]) if blocks else header
         used = int(ends[sent - 1]) if sent else header
-        out[0] = self.table.id
-        out[1] = sent
-        out[2], out[3] = used % LANE_LIMIT, used // LANE_LIMIT
-        out[4], out[5] = wanted % LANE_LIMIT, wanted // LANE_LIMIT
-        out[HEADER:header] = 0.0
-        out[HEADER:HEADER + sent] = words[:sent]
+        head = np.zeros(header, np.float32)
+        head[0] = self.table.id
+        head[1] = sent
+        head[2], head[3] = used % LANE_LIMIT, used // LANE_LIMIT
+        head[4], head[5] = wanted % LANE_LIMIT, wanted // LANE_LIMIT
+        head[HEADER:HEADER + sent] = words[:sent]
         offsets = np.concatenate(([header], ends[:sent - 1])).astype(np.int64) if sent else \
             np.zeros(0, np.int64)
-        self._assemble(payload, stride, words, offsets, sent, out)
-        out[used:] = 0.0
+        if streamed:
+            self._outgoing = {"size": size, "payload": payload, "stride": stride,
+                              "words": words, "offsets": offsets, "sent": sent, "head": head,
+                              "pieces": n_lanes // piece}
+            self._write_piece(0, out)
+        else:
+            out[:header] = head
+            self._assemble(payload, stride, words, offsets, sent, out)
+            out[used:] = 0.0
         if sent < blocks:
             self._restore(payload, stride, words, sent, size, residual)
         self.stats["encode"] = {"wanted_lanes": wanted, "sent_lanes": used,
@@ -361,16 +432,58 @@ class GComp(Codec):
                                     max(0, size - sent * BLOCK)}
         return out
 
+    def _write_piece(self, i, out):
+        """out = lanes [i*L, (i+1)*L) of the slot the last streamed encode coded (L = out's
+        length): the header, the blocks' lanes that fall there, zeros after them."""
+        o = self._outgoing
+        lo, hi = i * out.shape[0], (i + 1) * out.shape[0]
+        out[:] = 0.0
+        head = o["head"]
+        if lo < head.shape[0]:
+            out[:min(hi, head.shape[0]) - lo] = head[lo:hi]
+        offsets, words, payload, stride = o["offsets"], o["words"], o["payload"], o["stride"]
+        ends = offsets + words[:o["sent"]]
+        for b in range(int(np.searchsorted(ends, lo, side="right")),
+                       int(np.searchsorted(offsets, hi, side="left"))):
+            a, z = max(int(offsets[b]), lo), min(int(ends[b]), hi)
+            src = b * stride + a - int(offsets[b])
+            out[a - lo:z - lo] = payload[src:src + z - a]
+
+    def next_round(self, done, result, send, num_workers):
+        """A streamed push: decode the blocks that piece `done` of every worker's slot
+        (`result`, side by side) completes, then write this worker's next piece to `send`."""
+        o = self._outgoing
+        if o is None:
+            raise RuntimeError("gcomp: next_round without a streamed encode (a slot in one "
+                               "piece has no further round)")
+        n = check_num_workers(num_workers)
+        piece = self.piece_lanes(o["size"])
+        check_vector("result", result, self.wire_dtype, length=n * piece)
+        check_vector("send", send, self.wire_dtype, writeable=True, length=piece)
+        if not 0 <= done < o["pieces"] - 1:
+            raise ValueError("gcomp: round %d of a slot in %d pieces has no next round"
+                             % (done, o["pieces"]))
+        self._receive(done, result, n, o["size"])
+        self._write_piece(done + 1, send)
+        return send
+
     # ------------------------------------------------------------ decode
     def decode(self, slots, size, num_workers, out=None):
         """Sum over workers of the decoded values, float32 (size,), from every worker's slot
-        side by side. Updates the shared state as every worker does: the exponent
+        side by side (a streamed push: every worker's last piece, after next_round took
+        the others). Updates the shared state as every worker does: the exponent
         histogram, the code table every `refresh` pushes, the next push's slot class."""
         n_workers = check_num_workers(num_workers)
         n_lanes = self.lane_count(size, n_workers)
-        check_vector("slots", slots, self.wire_dtype, length=n_workers * n_lanes)
+        piece = self.piece_lanes(size)
+        streamed = piece and n_lanes > piece and isinstance(slots, np.ndarray) \
+            and slots.shape == (n_workers * piece,)
+        check_vector("slots", slots, self.wire_dtype,
+                     length=n_workers * (piece if streamed else n_lanes))
         out = output(out, size, np.float32)
         check_disjoint(slots=slots, out=out)
+        if streamed:
+            return self._receive(n_lanes // piece - 1, slots, n_workers, size, out)
         starts, words, wanted, used = self._parse(slots, size, n_workers, n_lanes)
         histogram = self._decode_into(slots, starts, words, size, out)
         self._agree(histogram, wanted, size)
@@ -378,11 +491,92 @@ class GComp(Codec):
                                 "slot_lanes": n_lanes}
         return out
 
+    def _receive(self, i, result, n, size, out=None):
+        """Piece i of every worker's slot: decode the blocks that every worker's pieces so
+        far hold whole, in worker order as decode does (bit for bit its sums); keep each
+        worker's lanes of a block cut by the piece's end. The last piece writes `out`,
+        with the blocks decoded before it (kept in the scratch's spent blocks)."""
+        blocks, header, _, _, _ = self._layout(size)
+        n_lanes = self.lane_count(size, n)
+        piece = self.piece_lanes(size)
+        pieces = result.reshape(n, piece)
+        if i == 0:
+            rel, words, wanted, used = self._parse_heads(pieces[:, :header], size, n_lanes)
+            self._incoming = {"rel": rel, "words": words, "wanted": wanted, "used": used,
+                              "next": 0, "done": 0, "carry": [pieces[j, :0] for j in range(n)],
+                              "base": [0] * n, "histogram": np.zeros(256, np.int64)}
+        st = self._incoming
+        if st is None or st["next"] != i or len(st["base"]) != n:
+            raise RuntimeError("gcomp: piece %d of a streamed slot arrived out of order" % i)
+        st["next"] = i + 1
+        final = i + 1 == n_lanes // piece
+        received = (i + 1) * piece
+        rel, words = st["rel"], st["words"]
+        complete = (words == 0) | (rel + words <= received)
+        b0 = st["done"]
+        b1 = int(np.where(complete.all(axis=1), blocks, np.argmin(complete, axis=1)).min()) \
+            if blocks else 0
+        segs, starts, at = [], np.zeros((n, b1 - b0), np.int64), 0
+        for j in range(n):
+            carry, base = st["carry"][j], st["base"][j]
+            seg = np.concatenate((carry, pieces[j])) if carry.size else pieces[j]
+            starts[j] = at + rel[j, b0:b1] - base
+            keep = min(int(rel[j, b1]) if b1 < blocks else received, received)
+            st["carry"][j], st["base"][j] = seg[keep - base:].copy(), keep
+            segs.append(seg)
+            at += seg.shape[0]
+        lo, hi = min(b0 * BLOCK, size), min(b1 * BLOCK, size)
+        if b1 > b0:
+            stage = np.concatenate(segs) if n > 1 else segs[0]
+            target = out[lo:hi] if final else np.empty((b1 - b0) * BLOCK, np.float32)
+            st["histogram"] += self._decode_into(stage, starts,
+                                                 np.ascontiguousarray(words[:, b0:b1]),
+                                                 hi - lo, target[:hi - lo])
+            if not final:
+                self._decoded_blocks(size)[b0:b1] = target.reshape(b1 - b0, BLOCK)
+        st["done"] = b1
+        if not final:
+            return None
+        if b1 != blocks:
+            raise ValueError("gcomp: the slots' blocks do not end within the slot: corrupted "
+                             "data")
+        if lo:
+            out[:lo] = self._decoded_blocks(size)[:b0].reshape(-1)[:lo]
+        self._incoming = self._outgoing = None
+        self._agree(st["histogram"], st["wanted"], size)
+        self.stats["decode"] = {"wanted_lanes": st["wanted"], "sent_lanes": st["used"],
+                                "slot_lanes": n_lanes}
+        return out
+
+    def _decoded_blocks(self, size):
+        """(blocks, BLOCK) float32 for a streamed push's decoded blocks before its last
+        piece: the first BLOCK lanes of each block's stride of this worker's scratch, whose
+        lanes were sent by the time every worker's block is decoded."""
+        st = self._incoming
+        if "blocks" not in st:
+            blocks = -(-size // BLOCK)
+            o = self._outgoing
+            if o is not None and o["size"] == size \
+                    and o["payload"].shape[0] >= blocks * o["stride"]:
+                st["blocks"] = o["payload"][:blocks * o["stride"]].reshape(
+                    blocks, o["stride"])[:, :BLOCK]
+            else:
+                st["blocks"] = np.empty((blocks, BLOCK), np.float32)
+        return st["blocks"]
+
     def _parse(self, slots, size, n_workers, n_lanes):
         """Check every worker's header; (block starts, block lengths: (N, blocks) int64,
         wanted lanes, sent lanes per worker)."""
-        blocks, header, _, _ = self._geometry(size)
+        header = self._geometry(size)[1]
         heads = slots.reshape(n_workers, n_lanes)[:, :header]
+        rel, words, wanted, used = self._parse_heads(heads, size, n_lanes)
+        starts = rel + (np.arange(n_workers, dtype=np.int64) * n_lanes)[:, None]
+        return starts, words, wanted, used
+
+    def _parse_heads(self, heads, size, n_lanes):
+        """Check every worker's header (N, header lanes); (block starts within the slot,
+        block lengths: (N, blocks) int64, wanted lanes, sent lanes per worker)."""
+        blocks, header, _, _ = self._geometry(size)
         bad = ~((heads >= 0) & (heads < LANE_LIMIT) & (heads == np.floor(heads)))
         if bad.any():
             j = int(np.flatnonzero(bad.any(axis=1))[0])
@@ -390,7 +584,7 @@ class GComp(Codec):
                              "integers in [0, 2**24): not a gcomp payload (wrong codec, worker "
                              "count or corrupted data)" % j)
         h = heads.astype(np.int64)
-        for j in range(n_workers):
+        for j in range(h.shape[0]):
             if h[j, 0] != self.table.id:
                 raise ValueError("gcomp: worker %d coded with table %06x, this worker holds %06x: "
                                  "the workers' codec states differ (restore the same "
@@ -408,9 +602,8 @@ class GComp(Codec):
             raise ValueError("gcomp: worker %d's slot header is inconsistent (blocks sent %d of "
                              "%d, %d lanes used of %d): corrupted data" % (
                                  j, sent[j], blocks, used[j], n_lanes))
-        starts = header + np.cumsum(words, axis=1) - words \
-            + (np.arange(n_workers, dtype=np.int64) * n_lanes)[:, None]
-        return starts, words, wanted.tolist(), used.tolist()
+        rel = header + np.cumsum(words, axis=1) - words
+        return rel, words, wanted.tolist(), used.tolist()
 
     def _agree(self, histogram, wanted, size):
         """The shared state after a decode, from what every worker received alike."""
@@ -653,4 +846,4 @@ class GCompReference(GComp):
 
 
 __all__ = ["GComp", "GCompReference", "NonFiniteGradientError", "build_lengths",
-           "huffman_lengths", "geometry"]
+           "huffman_lengths", "geometry", "layout"]
