@@ -209,10 +209,37 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
     assert by["slimgc-2bit-full"]["cttab"], "threshold table missing"
     assert by["slimgc-2bit-full"]["cttab_link"]["latency_s"] >= 0  # the fit BestCT came from
     assert by["fp32"]["samples_per_s_per_worker"] > 0
+    # Peak resident memory of every worker and server, in the summary and the table
+    for r in by.values():
+        rss = r["peak_rss_mb"]
+        assert sorted(rss["workers"]) == ["0", "1"] and sorted(rss["servers"]) == ["0", "1"]
+        assert rss["worker_max"] == max(rss["workers"].values()) > 50
+        assert rss["server_max"] == max(rss["servers"].values()) > 20
+    assert "RSS wkr" in stdout and "peak RSS worker" in stdout
     # Teardown: no namespace of this harness outlives the run.
     mine = "%s%d-" % (netns.NS_PREFIX, proc.pid)
     left = [ns for ns in netns.list_namespaces() if ns.startswith(mine)]
     assert left == []
+
+
+def test_peak_memory_reads_every_worker_and_server(tmp_path):
+    """Workers report in their probe; each server writes server<INDEX>.json at exit; the
+    table shows the largest of each."""
+    (tmp_path / "server0.json").write_text(json.dumps({"launch_index": 0, "peak_rss_mb": 80.5}))
+    (tmp_path / "server1.json").write_text(json.dumps({"launch_index": 1, "peak_rss_mb": 95.0}))
+    probes = [{"launch_index": 0, "peak_rss_mb": 700.0}, {"launch_index": 1,
+                                                          "peak_rss_mb": 650.0}]
+    rss = cluster.peak_memory(probes, str(tmp_path))
+    assert rss == {"workers": {0: 700.0, 1: 650.0}, "servers": {0: 80.5, 1: 95.0},
+                   "worker_max": 700.0, "server_max": 95.0}
+    assert cluster.peak_memory([{"launch_index": 0}], str(tmp_path))["workers"] == {}
+    table = cluster.format_table({"results": [{"config": "gcomp-alone", "ok": True,
+                                               "samples_per_s_per_worker": 7.0,
+                                               "peak_rss_mb": rss}]})
+    head, row = table.splitlines()
+    assert head.split()[-4:] == ["RSS", "wkr", "RSS", "srv"]
+    assert row.split()[-2:] == ["700", "95"]
+    assert 0 < cluster.peak_rss_mb()
 
 
 def test_codec_configurations_cover_every_registered_codec():

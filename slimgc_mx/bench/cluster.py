@@ -6,11 +6,13 @@ bytes on the wire from each worker's interface counters, time composition and th
 threshold table. See docs/results.md for what every number means.
 """
 import argparse
+import atexit
 import contextlib
 import json
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -167,8 +169,26 @@ class _Probe:
         return out
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (MB): ru_maxrss, which Linux counts in KiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def _report_server_memory(probe_dir: str, index: int):
+    """At exit, a server writes server<INDEX>.json with its peak resident memory: MXNet
+    runs a server's loop inside `import mxnet` and exits the process from there."""
+    def write():
+        path = os.path.join(probe_dir, "server%d.json" % index)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"launch_index": index, "peak_rss_mb": peak_rss_mb()}, f)
+        os.replace(path + ".tmp", path)
+    atexit.register(write)
+
+
 def run_job(argv: List[str]) -> int:
     """`_job PROBE_JSON START STEPS IFACE -- TRAIN_ARGS`: what every node runs."""
+    if os.environ.get("DMLC_ROLE") == "server":
+        _report_server_memory(os.path.dirname(argv[0]), launch_index() or 0)
     import mxnet  # noqa: F401  (scheduler and servers run their loop here and exit)
     probe_path, start, steps, iface = argv[0], int(argv[1]), int(argv[2]), argv[3]
     train_args = argv[argv.index("--") + 1:]
@@ -191,6 +211,7 @@ def run_job(argv: List[str]) -> int:
     for k in ("keys_encoded_in_local_update", "keys_gradient_in_place"):
         rec[k] = stats.get(k)
     rec["model"] = result.get("model")
+    rec["peak_rss_mb"] = peak_rss_mb()
     tmp = probe_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(rec, f, indent=1, default=str)
@@ -416,7 +437,23 @@ def summarize(name, opts, probe_dir, status, wall, netns, seed) -> dict:
     if kvs:
         out["kvstore_per_step_per_worker"] = {k: _mean([kv[k] for kv in kvs])
                                               for k in _Probe.STAT_KEYS}
+    out["peak_rss_mb"] = peak_memory(probes, probe_dir)
     return out
+
+
+def peak_memory(probes, probe_dir) -> dict:
+    """Peak resident memory (MB) of every worker and server (by launch index) and the
+    largest of each; a server that wrote no report (killed) is missing."""
+    workers = {p["launch_index"]: p["peak_rss_mb"] for p in probes if p.get("peak_rss_mb")}
+    servers = {}
+    for name in sorted(os.listdir(probe_dir)):
+        if name.startswith("server") and name.endswith(".json"):
+            with open(os.path.join(probe_dir, name)) as f:
+                rec = json.load(f)
+            servers[rec["launch_index"]] = rec["peak_rss_mb"]
+    return {"workers": workers, "servers": servers,
+            "worker_max": max(workers.values()) if workers else None,
+            "server_max": max(servers.values()) if servers else None}
 
 
 def time_composition(rec: dict, compute_s: Optional[float],
@@ -697,11 +734,14 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
                                                      or "see " + rec["log"]), flush=True)
                 elif opts.mode == "throughput":
                     wire = (rec.get("wire_bytes_per_step_per_worker") or {}).get("total")
-                    print("%s samples/s/worker, step %s s, %s MB/step/worker, %.0f s"
+                    rss = rec.get("peak_rss_mb") or {}
+                    print("%s samples/s/worker, step %s s, %s MB/step/worker, peak RSS "
+                          "worker %s / server %s MB, %.0f s"
                           % (_fmt(rec["samples_per_s_per_worker"]),
                              _fmt(rec["step_s"]["median"], "%.3f"),
                              _fmt(wire / 1e6 if wire is not None else None, "%.2f"),
-                             rec["wall_s"]), flush=True)
+                             _fmt(rss.get("worker_max"), "%.0f"),
+                             _fmt(rss.get("server_max"), "%.0f"), rec["wall_s"]), flush=True)
                 else:
                     accs = list(rec["final_test_acc"].values())
                     print("final acc %s, %.0f s" % (_fmt(_mean(accs), "%.4f"), rec["wall_s"]),
@@ -800,10 +840,11 @@ def add_derived(summary: dict):
 
 
 def format_table(summary: dict) -> str:
-    """The throughput table: ratios, wire bytes, CPU-seconds per step, CTTab threshold."""
+    """The throughput table: ratios, wire bytes, CPU-seconds per step, CTTab threshold,
+    peak resident memory (MB) of the largest worker and server."""
     head = ("config", "samples/s", "xmx2bit", "xfp32", "xhvd", "xnocomm", "MB/step/wkr",
-            "CPU s/step", "xcpu", "CT")
-    fmt = "%-26s %10s %8s %8s %8s %8s %12s %10s %6s %8s"
+            "CPU s/step", "xcpu", "CT", "RSS wkr", "RSS srv")
+    fmt = "%-26s %10s %8s %8s %8s %8s %12s %10s %6s %8s %8s %8s"
     lines = [fmt % head]
     for r in summary["results"]:
         if not r.get("ok"):
@@ -812,13 +853,15 @@ def format_table(summary: dict) -> str:
         vs = r.get("vs") or {}
         wire = (r.get("wire_bytes_per_step_per_worker") or {}).get("total")
         ct = r.get("comm_threshold_bytes")
+        rss = r.get("peak_rss_mb") or {}
         lines.append(fmt % (
             r["config"], _fmt(r.get("samples_per_s_per_worker")),
             _fmt(vs.get("mxnet-2bit"), "%.2f"), _fmt(vs.get("fp32"), "%.2f"),
             _fmt(vs.get("horovod"), "%.2f"), _fmt(vs.get("no-comm"), "%.2f"),
             _fmt(wire / 1e6 if wire is not None else None, "%.2f"),
             _fmt(r.get("cpu_s_per_step_per_worker"), "%.3f"),
-            _fmt(r.get("cpu_vs_no_comm"), "%.2f"), "-" if ct is None else str(ct)))
+            _fmt(r.get("cpu_vs_no_comm"), "%.2f"), "-" if ct is None else str(ct),
+            _fmt(rss.get("worker_max"), "%.0f"), _fmt(rss.get("server_max"), "%.0f")))
     return "\n".join(lines)
 
 
