@@ -160,3 +160,31 @@ def test_gcomp_pieces_through_the_kvstore_train_as_whole_slots(monkeypatch):
         np.testing.assert_array_equal(a, c)
     assert s0["bytes_pulled"] == 2 * s0["bytes_pushed"]
     assert s0["compressed_transfers"] == 4 * 6
+
+
+def test_benchmarks_page_shows_these_bytes_and_a_command_the_harness_takes():
+    """docs/benchmarks.md, "Resident memory": its host-buffer row is what worker_bytes
+    counts now, and its command parses into configurations the harness runs."""
+    import os
+    import re
+    import shlex
+    from slimgc_mx.bench import cluster
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")
+    with open(path, encoding="utf-8") as f:
+        page = f.read().split("## Resident memory", 1)[1]
+    lines = page.splitlines()
+    head = next(line for line in lines if line.startswith("| codec |"))
+    names = [c.strip() for c in head.strip("|").split("|")][1:]
+    assert sorted(names) == sorted(set(codecs.available()))
+    row = next(line for line in lines if line.startswith("| host buffers |"))
+    model_bytes = 4 * shapes.get("fc").elements
+    for name, cell in zip(names, [c.strip() for c in row.strip("|").split("|")][1:]):
+        assert float(cell.split()[0]) == round(worker_bytes(name)[0] / model_bytes, 2), name
+    command = re.search(r"```bash\n(.*?)```", page, re.S).group(1).replace("\\\n", " ")
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "slimgc_mx.bench", "cluster"]
+    opts = cluster.parse_args(argv[4:], "cluster")
+    assert (opts.model, opts.workers, opts.servers, opts.bandwidth) == ("fc", 4, 4, "1gbit")
+    for name in opts.config_list:
+        cluster.config_args(name)
+    assert {"fp32", "none-alone", "gcomp-alone"} <= set(opts.config_list)

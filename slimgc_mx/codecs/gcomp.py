@@ -46,8 +46,8 @@ TOP_BITS = 34.0
 MIN_BITS = 2.0
 #: Bits of one value beyond its exponent code: sign, level, mantissa at level 0.
 REST_BITS = 26
-#: A slot whose largest class exceeds this many lanes travels in pieces of at least as
-#: many (1 MiB), one gather round each; its classes are 1..MAX_PIECES pieces.
+#: A slot whose largest class exceeds this many lanes (1 MiB) travels in pieces of about
+#: as many (more beyond MAX_PIECES), one gather round each; its classes are 1..k pieces.
 PIECE_LANES = 1 << 18
 #: The most pieces of a streamed slot (its pulled N pieces are 1/MAX_PIECES of N slots).
 MAX_PIECES = 32
