@@ -130,9 +130,6 @@ def _round_sets(classes, make_buffer):
         shared = [WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
                   for route, send, recv, dtype in classes[0]]
         return [shared] * len(classes)
-    if len(classes) == 1:
-        return [[WireRound(route, make_buffer(send, dtype), make_buffer(recv, dtype))
-                 for route, send, recv, dtype in classes[0]]]
     if any(len(rounds) != len(classes[0]) for rounds in classes):
         raise ValueError("every wire class must have the same number of rounds")
     shared = []
