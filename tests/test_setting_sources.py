@@ -149,3 +149,22 @@ def test_a_gluon_script_without_logging_hears_the_cttab_decision(tmp_path, routi
         assert lines[0].startswith("slimgc: CTTab: BestCT = 1.0 MiB (fixed by comm_threshold")
         assert "0 of 2 tensors compressed" in lines[0]
         assert "comm_threshold='off' compresses every tensor" in lines[0]
+
+
+def test_usage_md_reads_rank_and_worker_count_from_the_store(tmp_path):
+    """docs/usage.md's recipe: create the store, read rank and num_workers, hand it to the
+    Trainer; the Trainer then uses that very store."""
+    page = open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8").read()
+    recipe = page.split("**Rank and worker count.**", 1)[1].split("```python\n", 1)[1]
+    recipe = recipe.split("```", 1)[0]
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import mxnet as mx\nimport slimgc_mx\n"
+        "net = mx.gluon.nn.Dense(2, in_units=3)\nnet.initialize()\n" + recipe +
+        "with mx.autograd.record():\n    loss = net(mx.nd.ones((1, 3))).sum()\n"
+        "loss.backward()\ntrainer.step(1)\nassert trainer._kvstore is kv, trainer._kvstore\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "SLIMGC_"))}
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "worker 0 of 1" in r.stdout
