@@ -96,17 +96,23 @@ def test_the_kvstore_applies_the_rule_to_compression_params(monkeypatch, capsys)
             in capsys.readouterr().err)
 
 
-def _train(tmp_path, *args, **env):
-    out = tmp_path / "r.json"
+def _python(script, *args, **env):
+    """Run `script` in a fresh interpreter outside any job and without SLIMGC_* variables
+    (but `env`); it must succeed."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith(("DMLC_", "SLIMGC_"))}
     environ.update(OMP_NUM_THREADS="1", **env)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-                        "--kvstore", "slimgc", "--model", "mlp", "--dataset", "digits",
-                        "--epochs", "1", "--steps", "3", "--no-progress", "--json", str(out),
-                        *args], cwd=ROOT, env=environ, capture_output=True, text=True,
-                       timeout=180)
+    r = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=environ,
+                       capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _train(tmp_path, *args, **env):
+    out = tmp_path / "r.json"
+    r = _python(os.path.join(ROOT, "scripts", "train.py"), "--kvstore", "slimgc", "--model",
+                "mlp", "--dataset", "digits", "--epochs", "1", "--steps", "3", "--no-progress",
+                "--json", str(out), *args, **env)
     return r, json.loads(out.read_text())
 
 
@@ -138,10 +144,7 @@ def test_a_gluon_script_without_logging_hears_the_cttab_decision(tmp_path, routi
         "    with autograd.record():\n"
         "        loss = net(mx.nd.ones((2, 8))).sum()\n"
         "    loss.backward()\n    trainer.step(2)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "SLIMGC_"))}
-    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _python(script)
     lines = [line for line in r.stderr.splitlines() if line.startswith("slimgc: CTTab: ")]
     assert len(lines) == 1, r.stderr[-3000:]
     assert " of 2 tensors compressed" in lines[0]
@@ -163,8 +166,5 @@ def test_usage_md_reads_rank_and_worker_count_from_the_store(tmp_path):
         "net = mx.gluon.nn.Dense(2, in_units=3)\nnet.initialize()\n" + recipe +
         "with mx.autograd.record():\n    loss = net(mx.nd.ones((1, 3))).sum()\n"
         "loss.backward()\ntrainer.step(1)\nassert trainer._kvstore is kv, trainer._kvstore\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "SLIMGC_"))}
-    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _python(script)
     assert "worker 0 of 1" in r.stdout
