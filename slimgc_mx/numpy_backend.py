@@ -35,9 +35,8 @@ class SGD:
     def step(self, learning_rate=None, rescale=1.0):
         """The SGDStep of one update, at `learning_rate` (default this one's)."""
         lr = self.learning_rate if learning_rate is None else learning_rate
-        clip = float(self.clip_gradient) if self.clip_gradient else -1.0
         return sgd_rule.SGDStep(float(lr), float(self.wd), float(self.rescale_grad) * rescale,
-                                float(self.momentum), clip)
+                                float(self.momentum), sgd_rule.clip_bound(self.clip_gradient))
 
 
 class SGDUpdate:

@@ -114,7 +114,7 @@ class SGDKernel:
 
 def _steps(opt, indices):
     """Count an update of `indices`, as MXNet's optimizer does; their SGDSteps."""
-    clip = _clip(opt)
+    clip = sgd_rule.clip_bound(opt.clip_gradient)
     return [sgd_rule.SGDStep(lr, wd, opt.rescale_grad, opt.momentum, clip)
             for lr, wd in _count(opt, indices)]
 
@@ -124,7 +124,3 @@ def _count(opt, indices):
     opt._update_count(indices)
     return list(zip(opt._get_lrs(indices), opt._get_wds(indices)))
 
-
-def _clip(opt):
-    """MXNet's convention: a negative bound means no clipping."""
-    return float(opt.clip_gradient) if opt.clip_gradient else -1.0

@@ -21,6 +21,11 @@ class SGDStep:
     clip: float  # MXNet's convention: negative means no clipping
 
 
+def clip_bound(clip_gradient):
+    """SGDStep.clip of an optimizer's clip_gradient: None or 0 (no clipping) becomes -1."""
+    return float(clip_gradient) if clip_gradient else -1.0
+
+
 def global_step(step, grad, weight, mom, num_threads):
     """weight <- one SGD step with `grad` (host arrays), momentum `mom` (or None) kept."""
     w = weight.for_write()
