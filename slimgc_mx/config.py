@@ -239,8 +239,9 @@ def _merge(values, raw, explicit, given, source):
             messages.append("%s%s=%s is overridden by %s %s" % (
                 env.OPTION_PREFIX, name.upper(), raw[name], source, _given(name, value, given)))
     env_opts, mine = values.get("codec_options") or {}, explicit.get("codec_options") or {}
-    if env_opts and values.get("compressor", explicit.get("compressor")) != explicit.get(
-            "compressor", values.get("compressor")):  # both set, and the script's differs
+    replaced = "compressor" in values and explicit.get("compressor", values["compressor"]) \
+        != values["compressor"]
+    if env_opts and replaced:
         messages.append("%sCODEC_OPTIONS=%s goes with %sCOMPRESSOR=%s, which %s %s overrides: "
                         "those codec options are not used" % (
                             env.OPTION_PREFIX, raw["codec_options"], env.OPTION_PREFIX,
