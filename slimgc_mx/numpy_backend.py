@@ -73,16 +73,9 @@ class SGDUpdate:
         return OptimizerView("sgd", arrays, lr=step.lr, wd=step.wd,
                              rescale_grad=step.rescale_grad, momentum=step.momentum)
 
-    def prepare(self, transfer, num_workers):
-        """The decode table of a compressed key decoded inside its update, else None."""
-        b = transfer.buffers
-        if not transfer.decode_in_update:
-            return None
-        lanes = transfer.exchange.recv.for_read()
-        if len(transfer.pushes) == 1:
-            return b.codec.decode_table(lanes, b.size, num_workers)
-        b.codec.decode(lanes, b.size, num_workers, out=b.agg.for_write())
-        return None
+    @staticmethod
+    def prepare(transfer, num_workers):
+        return sgd_rule.prepare_decode(transfer, num_workers)
 
     def __call__(self, transfer, table, glos):
         step = transfer.settings

@@ -26,6 +26,21 @@ def clip_bound(clip_gradient):
     return float(clip_gradient) if clip_gradient else -1.0
 
 
+def prepare_decode(transfer, num_workers, kernel=True):
+    """What the global update needs of a transfer whose sum it decodes (decode_in_update):
+    the codec's decode table (k, m, rows) for global_step_decoding, or None, with the
+    aggregate decoded into agg, when no kernel runs it or the transfer is a fused bucket.
+    Decoding the table advances the codec's shared state, as decode does."""
+    b = transfer.buffers
+    if not transfer.decode_in_update:
+        return None
+    lanes = transfer.exchange.recv.for_read()
+    if kernel and len(transfer.pushes) == 1:
+        return b.codec.decode_table(lanes, b.size, num_workers)
+    b.codec.decode(lanes, b.size, num_workers, out=b.agg.for_write())
+    return None
+
+
 def global_step(step, grad, weight, mom, num_threads):
     """weight <- one SGD step with `grad` (host arrays), momentum `mom` (or None) kept."""
     w = weight.for_write()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
-from . import sgd
+from . import sgd, sgd_rule
 from .codecs import OptimizerView
 from .transport import copy_array
 
@@ -281,18 +281,9 @@ class GlobalUpdate:
 
     def prepare(self, transfer, num_workers):
         """What update() needs of a transfer, read before it waits for the loc_buf flag.
-
-        Decoding the table advances the codec's shared state, as decode does.
-        """
-        b = transfer.buffers
-        if not transfer.decode_in_update:
-            return None
-        lanes = transfer.exchange.recv.for_read()
-        if self.kernel is not None and len(transfer.pushes) == 1:
-            return b.codec.decode_table(lanes, b.size, num_workers)
-        # set_optimizer left SGD since this transfer was planned: decode, then update
-        b.codec.decode(lanes, b.size, num_workers, out=b.agg.for_write())
-        return None
+        Without the kernel (set_optimizer left SGD since this transfer was planned) the
+        sum is decoded, then updated."""
+        return sgd_rule.prepare_decode(transfer, num_workers, self.kernel is not None)
 
     def __call__(self, transfer, table, glos):
         """Write the new global weights of the transfer's keys into `glos` (Buffers)."""
