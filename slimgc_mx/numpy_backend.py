@@ -130,7 +130,6 @@ class SGDLocalUpdate:
 class NumpyFramework:
     """The aggregator's seams on plain NumPy arrays (docs/backend.md)."""
 
-    name = "numpy"
     engine_where = "a host operation"
     readiness = HostReadiness()
     arrays = HostArrays()

@@ -15,7 +15,6 @@ from ..update import GlobalUpdate, LocalUpdater, check_loc_optimizer, optimizer_
 class MXNetFramework:
     """One worker's MXNet seams: buffers, engine, gradients in, optimizer rules."""
 
-    name = "mxnet"
     #: How a failure of an operator run by `readiness` is named.
     engine_where = "an operator run by MXNet's engine"
 
