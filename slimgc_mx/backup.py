@@ -59,6 +59,8 @@ class ModelBackup:
         self.timeout = timeout
         self._arrays = arrays
         self._holds = not enabled and arrays.can_hold
+        # loc_buf is the parameter itself (one array per key), written by the local update
+        self._loc_in_params = getattr(arrays, "loc_in_params", False)
         self._slots = {}
         self._cond = threading.Condition()
         self._error = None
@@ -74,7 +76,7 @@ class ModelBackup:
         glo = arrays.new(weight.shape)
         arrays.copy(weight, arrays.array(glo))
         slot = self._slots[key] = _Slot(glo)
-        if self.enabled:
+        if self.enabled and not self._loc_in_params:
             slot.loc = arrays.new(weight.shape)
         if self._holds:
             slot.staged = arrays.new(weight.shape)
@@ -96,15 +98,22 @@ class ModelBackup:
 
         `local_update(grad, glo, loc)` writes the locally updated weights into the
         Buffer loc (loc_buf) from the Buffer glo (glo_buf); loc_buf is then copied
-        into every array of `params`.
+        into every array of `params`. Where the framework keeps loc_buf in the parameter
+        (arrays.loc_in_params: one array per key), the local update writes it there.
         """
         slot = self._slots[key]
         self.wait_version(key, step)
         slot.params = params
-        local_update(grad, slot.glo, slot.loc)
-        loc = self._arrays.array(slot.loc)
-        for out in params:
-            self._arrays.copy(loc, out)
+        if slot.loc is None:
+            if len(params) != 1:
+                raise ValueError("key %r: loc_buf is the parameter, so one array per key is "
+                                 "pushed, got %d" % (key, len(params)))
+            local_update(grad, slot.glo, params[0])
+        else:
+            local_update(grad, slot.glo, slot.loc)
+            loc = self._arrays.array(slot.loc)
+            for out in params:
+                self._arrays.copy(loc, out)
         with self._cond:
             slot.flag = 1
             self._cond.notify_all()

@@ -23,7 +23,12 @@ PICKLE_FORMAT = "slimgc-checkpoint-1"
 
 def save(fname, agg):
     """Write everything a resumed job needs; the caller has flushed the aggregator."""
-    dataio.write(fname, {
+    dataio.write(fname, state(agg))
+
+
+def state(agg):
+    """Everything a resumed job needs, as data (arrays and plain values)."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "settings": agg.config.agreement_fields(),
@@ -34,7 +39,7 @@ def save(fname, agg):
         "backup": agg.backup.state_dict(),
         "cttab": agg.cttab.state_dict(),
         "counters": dataclasses.asdict(agg.stats),
-    })
+    }
 
 
 def read(fname, agg):
@@ -51,7 +56,7 @@ def read(fname, agg):
     if state.get("version") != VERSION:
         raise ValueError("%s is a slimgc checkpoint of version %r; this slimgc_mx reads "
                          "version %d" % (fname, state.get("version"), VERSION))
-    _check(fname, state, agg)
+    check(state, agg, "checkpoint %s" % fname)
     return state
 
 
@@ -70,19 +75,19 @@ def load(state, agg, where="checkpoint"):
         setattr(agg.stats, name, value)
 
 
-def _check(fname, state, agg):
-    """Everything that can be checked before restoring anything."""
+def check(state, agg, where):
+    """Everything that can be checked before restoring anything; a ValueError names it."""
     mine = agg.config.agreement_fields()
     for name, value in state["settings"].items():
         if name == "lane_dtype":  # how sums travel, not what the job holds
             continue
         if mine.get(name) != value:
-            raise ValueError("checkpoint %s was written with %s=%r but this job uses %r"
-                             % (fname, name, value, mine.get(name)))
+            raise ValueError("%s was written with %s=%r but this job uses %r"
+                             % (where, name, value, mine.get(name)))
     keys = agg.planner.keys
     if state["num_workers"] != agg.num_workers or set(state["keys"]) != set(keys):
-        raise ValueError("checkpoint %s holds %d workers and keys %s; this job has %d "
-                         "workers and keys %s" % (fname, state["num_workers"],
+        raise ValueError("%s holds %d workers and keys %s; this job has %d "
+                         "workers and keys %s" % (where, state["num_workers"],
                                                   sorted(map(repr, state["keys"])),
                                                   agg.num_workers, sorted(map(repr, keys))))
     for key, b in keys.items():
@@ -90,15 +95,18 @@ def _check(fname, state, agg):
         memory = b.codec.memory_size(b.size) if b.codec is not None else b.size
         if np.size(glo) != b.size or saved["residual"] is not None and (
                 np.size(saved["residual"]) != memory):
-            raise ValueError("checkpoint %s: key %r holds %d values, this job's has shape %s: "
-                             "a checkpoint of another model" % (fname, key, np.size(glo),
+            raise ValueError("%s: key %r holds %d values, this job's has shape %s: "
+                             "a checkpoint of another model" % (where, key, np.size(glo),
                                                                 b.shape))
         if b.codec is not None:
             b.codec.clone().load_state_dict(saved["codec"])  # raises on another codec's state
-    if not state.get("pickled"):
+    check_state = getattr(agg.update, "check_state", None)
+    if check_state is not None:
+        check_state(state["optimizer"]["global"], where)
+    elif not state.get("pickled"):
         from .update import restore_optimizer, clone_optimizer
         restore_optimizer(clone_optimizer(agg.update.optimizer),
-                          state["optimizer"]["global"]["optimizer"], "checkpoint %s" % fname)
+                          state["optimizer"]["global"]["optimizer"], where)
 
 
 def _is_pickle(fname):
@@ -120,5 +128,5 @@ def _read_pickle(fname, agg):
         raise ValueError("%s is not a slimgc checkpoint (format %r)"
                          % (fname, state.get("format") if isinstance(state, dict) else None))
     state["pickled"] = True
-    _check(fname, state, agg)
+    check(state, agg, "checkpoint %s" % fname)
     return state

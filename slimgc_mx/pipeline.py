@@ -114,6 +114,12 @@ class Transfer:
         """True when this round's result is every worker's slot side by side, not a sum."""
         return self.compressed and self.exchange.route == "gather"
 
+    def wire_keys(self):
+        """The wire keys of its exchanges, in the order they are made."""
+        if not self.compressed:
+            return [self.buffers.wire.fp]
+        return [self.wire_rounds[i].key for i in self.plan]
+
     def wire_bytes(self):
         """(bytes pushed, bytes pulled) over all its exchanges: a gather pulls N slots;
         float32 lanes count as what travels."""
@@ -156,6 +162,7 @@ class Pipeline:
             raise PipelineError.of(self.error, self.error_where)
         with self._idle:
             self._pending += 1
+        self.transport.announce(transfer.wire_keys())
         if transfer.serial or transfer.streamed:
             self._queues[0].put(transfer)
         else:

@@ -8,3 +8,6 @@ The adapter over the backend protocol (docs/backend.md): collective.py (torch.di
 framework.py (host buffers, gradients in, the optimizer's own rule), optimizer.py (the API).
 It imports no MXNet.
 """
+from .optimizer import DistributedOptimizer, flush
+
+__all__ = ["DistributedOptimizer", "flush"]

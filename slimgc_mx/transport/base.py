@@ -106,6 +106,11 @@ class Transport:
         when the buffer goes whole."""
         return None
 
+    def announce(self, wire_keys):
+        """The training thread's order of the exchanges to come (push_pull or gather of each
+        wire key, in this order on every worker). Keyed transports ignore it; a transport
+        whose collectives pair up by order alone (torch.distributed) issues them in it."""
+
     def push_pull(self, wire_key, send, recv, priority=0, in_pieces=False):
         """Start summing `send` over workers into `recv`; returns a TransferHandle.
 

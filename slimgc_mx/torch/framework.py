@@ -1,0 +1,307 @@
+"""TorchFramework: the aggregator's seams served by PyTorch (docs/backend.md, docs/pytorch.md).
+
+Host buffers are NumPy memory (pinned through torch for CUDA models) that torch tensors
+view without a copy; a CPU model's gradient is copied into grad_buf on the training thread,
+a CUDA model's by a non-blocking copy whose CUDA event admits the key to the pipeline.
+loc_buf is the parameter itself (the local update writes it in place, on the parameter's
+device), glo_buf stays on the host, and the global update runs the user's own optimizer
+class, one instance per parameter over glo_buf, with the hyperparameters of the step's push.
+"""
+import copy
+import dataclasses
+import queue
+import threading
+from typing import Tuple
+
+import numpy as np
+import torch
+
+from ..transport.host import HostBuffer, HostReadiness
+
+#: Optimizers whose rule the global update runs (any torch.optim.Optimizer whose state is
+#: per parameter works; these are the tested ones).
+TESTED = ("SGD", "Adam", "AdamW")
+
+
+def host_buffer(shape, pinned=False):
+    """A HostBuffer of float32 zeros; `pinned`: in page-locked memory (CUDA copies overlap)."""
+    buf = HostBuffer(shape)
+    if pinned:
+        tensor = torch.zeros(buf._np.size, dtype=torch.float32).pin_memory()
+        buf._np = tensor.numpy()
+        buf.tensor = tensor  # keeps the pinned allocation alive
+    return buf
+
+
+def tensor_of(buf, shape=None):
+    """The torch tensor over a HostArray's memory (no copy), in `shape` (default its own)."""
+    return torch.from_numpy(buf.for_read()).view(shape if shape is not None else buf.shape)
+
+
+class TorchArrays:
+    """backend.Arrays over host buffers and torch tensors: loc_buf is the parameter."""
+
+    can_hold = False
+    loc_in_params = True  # the local update writes the parameters themselves
+
+    def __init__(self, pinned=False):
+        self.pinned = pinned
+
+    def new(self, shape):
+        return host_buffer(shape, self.pinned)
+
+    @staticmethod
+    def array(buf):
+        return tensor_of(buf)
+
+    @staticmethod
+    def copy(src, dst):
+        if src is dst:
+            return
+        with torch.no_grad():
+            dst.copy_(torch.as_tensor(src).view(dst.shape))
+
+    def hold(self, buf):
+        raise RuntimeError("torch arrays have no engine to hold a writer in (can_hold is False)")
+
+
+class CudaReadiness:
+    """backend.Readiness for grad_bufs filled by non-blocking device-to-host copies: each
+    buffer's CUDA event is waited for on one thread, which then admits it."""
+
+    def __init__(self):
+        self._events = {}  # id(buffer) -> CUDA event of its last copy
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="slimgc-cuda-ready", daemon=True)
+        self._thread.start()
+
+    def copied(self, buf, event):
+        self._events[id(buf)] = event
+
+    def when_readable(self, buf, callback, priority=0):
+        event = self._events.pop(id(buf), None)
+        if event is None:
+            callback()
+        else:
+            self._queue.put((event, callback))
+
+    def _run(self):
+        while True:
+            event, callback = self._queue.get()
+            event.synchronize()
+            callback()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The hyperparameters of every param group when a key was pushed (the rate of an LR
+    scheduler in push order, as the trainer left it for this step)."""
+
+    groups: Tuple[Tuple[Tuple[str, object], ...], ...]
+
+    @classmethod
+    def of(cls, optimizer):
+        return cls(tuple(tuple(sorted((k, _plain(v)) for k, v in g.items() if k != "params"))
+                         for g in optimizer.param_groups))
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.tolist())
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+class TorchUpdate:
+    """glo_buf <- one step of the user's optimizer class with the mean gradient, on the
+    aggregation thread: one instance per parameter over its glo_buf, its state on the host."""
+
+    def __init__(self, optimizer, groups_of, num_workers):
+        self.optimizer = optimizer
+        self._group_of = groups_of  # index -> the param group of that parameter
+        self._num_workers = num_workers
+        self._shadow = {}  # index -> optimizer instance over the glo_buf tensor
+        self._local = {}  # index -> optimizer instance over the parameter (local update)
+        self._pending_states = {}  # index -> a checkpoint's state, loaded at first use
+
+    def settings(self, index):
+        return StepSettings.of(self.optimizer)
+
+    @staticmethod
+    def decodes_in_update(buffers):
+        return False
+
+    @staticmethod
+    def codec_view(index, glo, settings):
+        return None  # codecs that read the optimizer use their default level (docs/pytorch.md)
+
+    @staticmethod
+    def prepare(transfer, num_workers):
+        return None
+
+    def shadow(self, index, glo):
+        """The optimizer instance of `index`, over glo_buf's memory (made on first use)."""
+        opt = self._shadow.get(index)
+        if opt is None:
+            weight = tensor_of(glo)
+            group = {k: v for k, v in self.optimizer.param_groups[self._group_of[index]].items()
+                     if k != "params"}
+            opt = type(self.optimizer)([weight], **_constructor_args(self.optimizer, group))
+            self._shadow[index] = opt
+            if index in self._pending_states:
+                opt.load_state_dict(self._pending_states.pop(index))
+        return opt
+
+    def __call__(self, transfer, table, glos):
+        for push, glo in zip(transfer.pushes, glos):
+            b = push.buffers
+            opt = self.shadow(b.index, glo)
+            opt.param_groups[0].update(dict(transfer.settings.groups[self._group_of[b.index]]))
+            weight = opt.param_groups[0]["params"][0]
+            grad = tensor_of(b.agg, weight.shape)
+            grad.div_(self._num_workers)  # the sum over workers -> DDP's mean gradient
+            weight.grad = grad
+            with torch.no_grad():
+                opt.step()
+            weight.grad = None
+
+    def local_step(self, index, glo, param, grad):
+        """loc_buf (the parameter) <- one step of the same rule from glo_buf with this
+        worker's gradient, reading the global state and writing none of it."""
+        opt = self._shadow.get(index)
+        state = opt.state[opt.param_groups[0]["params"][0]] if opt is not None else {}
+        local = self._local.get(index)
+        if local is None:
+            group = {k: v for k, v in self.optimizer.param_groups[self._group_of[index]].items()
+                     if k != "params"}
+            local = type(self.optimizer)([param], **_constructor_args(self.optimizer, group))
+            self._local[index] = local
+        current = StepSettings.of(self.optimizer).groups[self._group_of[index]]
+        local.param_groups[0].update(dict(current))
+        local.state[param] = {k: (v.to(param.device, copy=True) if torch.is_tensor(v)
+                                  and v.shape == param.shape else copy.deepcopy(v))
+                              for k, v in state.items()}
+        with torch.no_grad():
+            # blocking: glo_buf may be overwritten as soon as this returns
+            param.copy_(tensor_of(glo, param.shape))
+        saved, param.grad = param.grad, grad
+        with torch.no_grad():
+            local.step()
+        param.grad = saved
+        local.state.pop(param, None)
+
+    def check_state(self, state, where):
+        """Raise ValueError unless `state` (a state()) is of this optimizer's class."""
+        if state.get("optimizer") != type(self.optimizer).__name__:
+            raise ValueError("%s holds the state of optimizer %s; this job's is %s"
+                             % (where, state.get("optimizer"), type(self.optimizer).__name__))
+
+    def state(self):
+        """Per index the shadow optimizer's state_dict (tensors and plain values)."""
+        return {"optimizer": type(self.optimizer).__name__,
+                "states": {i: opt.state_dict() for i, opt in self._shadow.items()}}
+
+    def load_state(self, state, where):
+        """Restore state(): each shadow optimizer's, now or when it is made."""
+        self.check_state(state, where)
+        self._pending_states = dict(state["states"])
+        for index in list(self._pending_states):
+            if index in self._shadow:
+                self._shadow[index].load_state_dict(self._pending_states.pop(index))
+
+
+def _constructor_args(optimizer, group):
+    """The keyword arguments that rebuild `optimizer`'s class with one group's settings."""
+    import inspect
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in group.items() if k in accepted}
+
+
+class TorchLocalUpdate:
+    """The backup's local update (aggregator.local_updater) for torch parameters."""
+
+    fused = False
+
+    def __init__(self, update):
+        self._update = update
+
+    def __call__(self, index, grad, glo, out, check=None, encoder=None):
+        self._update.local_step(index, glo, out, grad)
+
+    @staticmethod
+    def state():
+        return None
+
+    def load_state(self, state, where):
+        pass
+
+
+class TorchFramework:
+    """One rank's torch seams: host buffers, gradients in, the optimizer's own rule."""
+
+    engine_where = "a CUDA copy"
+
+    def __init__(self, params, group_of, num_workers, cuda=False):
+        self.params = params  # index -> parameter, in key order
+        self.group_of = group_of  # index -> its param group in the optimizer
+        self.num_workers = num_workers
+        self.cuda = cuda
+        self.readiness = CudaReadiness() if cuda else HostReadiness()
+        self.arrays = TorchArrays(pinned=cuda)
+        self._copy_stream = torch.cuda.Stream() if cuda else None
+
+    def new_buffer(self, shape, dtype=np.float32):
+        if np.dtype(dtype) == np.float32:
+            return host_buffer(shape, self.cuda)
+        return HostBuffer(shape, dtype)
+
+    def on_error(self, callback):
+        """Copies and optimizer steps run on the calling thread: their errors raise there."""
+
+    def device_codec(self, codec):
+        from .device import TorchDeviceCodec
+        return TorchDeviceCodec(codec)
+
+    def weight(self, key, value):
+        """glo_buf's first value from a NumPy copy of the parameter (optimizer.py checked it)."""
+        weight = self.new_buffer(value.shape)
+        np.copyto(weight.for_write(), np.reshape(value, -1))
+        return weight
+
+    def gradient(self, b, grads, fused=False):
+        """(the gradient tensor, what the local update reads: the same tensor); grad_buf gets
+        a copy at once for a CPU model, by a non-blocking copy whose event admits the key to
+        the pipeline for a CUDA model."""
+        grad = grads[0]
+        dst = tensor_of(b.grad_buf, (-1,))
+        if not grad.is_cuda:
+            dst.copy_(grad.reshape(-1))
+            return grad, grad
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(grad.reshape(-1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        grad.record_stream(stream)
+        self.readiness.copied(b.grad_buf, event)
+        return grad, grad
+
+    def optimizer_settings(self, optimizer, loc_optimizer):
+        if loc_optimizer is not None:
+            raise ValueError("loc_optimizer=%r: the PyTorch adapter's local update is the "
+                             "global rule; leave loc_optimizer unset" % (loc_optimizer,))
+        groups = StepSettings.of(optimizer).groups
+        return {"optimizer": "%s.%s" % (type(optimizer).__module__, type(optimizer).__name__),
+                "groups": repr(groups), "group_sizes": repr([len(g["params"])
+                                                            for g in optimizer.param_groups])}
+
+    def global_update(self, optimizer, num_threads):
+        return TorchUpdate(optimizer, self.group_of, self.num_workers)
+
+    def local_updater(self, update, num_workers, config):
+        if config.loc_lr is not None:
+            raise ValueError("loc_lr=%r: the PyTorch adapter's local update takes the "
+                             "optimizer's own rate; leave loc_lr unset" % (config.loc_lr,))
+        return TorchLocalUpdate(update)

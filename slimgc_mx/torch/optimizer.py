@@ -1,0 +1,247 @@
+"""DistributedOptimizer: SlimGC's engine behind a torch optimizer (docs/pytorch.md).
+
+It replaces DDP rather than hooking into it: DDP waits for every communication hook before
+backward() returns, so model backup (the next step starting while this one's aggregation is
+in flight) must live in the optimizer. step() hands each parameter's gradient to the engine:
+with backup the parameter gets loc_buf (this rank's gradient applied to glo_buf by the
+optimizer's own rule) at once, and glo_buf gets the mean gradient's step when the sum arrives.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint
+from ..aggregator import Aggregator
+from ..config import SlimGCConfig
+from ..transport.local import LocalTransport
+from .collective import TorchTransport
+from .framework import TorchFramework
+from .state import from_tensors, to_tensors
+
+#: How messages name the constructor's keywords (config.SlimGCConfig.from_sources).
+SOURCE = "DistributedOptimizer keywords"
+
+
+def _split_options(options):
+    """(SlimGC settings, codec options) of the constructor's keywords."""
+    fields = set(SlimGCConfig.field_names())
+    settings = {k: v for k, v in options.items() if k in fields}
+    codec = {k: v for k, v in options.items() if k not in fields}
+    if codec:
+        settings["codec_options"] = dict(settings.get("codec_options") or {}, **codec)
+    return settings
+
+
+def _init_process_group():
+    """torch.distributed from the launcher's variables (torchrun's), or None alone."""
+    if dist.is_initialized():
+        return True
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    dist.init_process_group(backend="gloo")
+    return True
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """`optimizer` with SlimGC's aggregation of `model`'s gradients over torch.distributed.
+
+    compression: a codec name (codecs.available(), 'none' for full precision); other
+    keywords are SlimGC's settings (backup, comm_threshold, offload, warmup_steps, ...)
+    or the codec's own options (threshold, levels, ratio, ...), as on the MXNet side.
+    broadcast_buffers: rank 0's buffers (BatchNorm statistics) before each forward, as DDP.
+    """
+
+    def __init__(self, optimizer, model, compression="2bit", broadcast_buffers=True,
+                 **options):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got %s"
+                            % type(optimizer).__name__)
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("the optimizer is already a DistributedOptimizer")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError("pass the model itself, not a DistributedDataParallel wrapper: "
+                            "SlimGC aggregates the gradients in place of DDP (DDP would sum "
+                            "them a second time); use model.module")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("model must be a torch.nn.Module, got %s" % type(model).__name__)
+        settings = _split_options(dict(options, compressor=compression))
+        config = SlimGCConfig.from_sources(settings, os.environ, SOURCE)
+        config.validate()
+        self._inner = optimizer
+        named = self._parameters_of(model, optimizer)
+        distributed = _init_process_group()
+        transport = TorchTransport(config.timeout) if distributed else LocalTransport()
+        cuda = any(p.is_cuda for _, p in named)
+        # torch.optim.Optimizer's own attributes (hooks), then the wrapped one's groups/state
+        super().__init__([torch.zeros(1, requires_grad=True)], {})
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        group_of = {}
+        for i, (_, p) in enumerate(named):
+            group_of[i] = next(g for g, group in enumerate(optimizer.param_groups)
+                               if any(q is p for q in group["params"]))
+        self._named = named
+        self._model = model
+        self._transport = transport
+        framework = TorchFramework([p for _, p in named], group_of, transport.num_workers, cuda)
+        self._agg = Aggregator(config, transport, framework=framework)
+        _check_momentum(self._agg.codec, optimizer)
+        self._agg.set_optimizer(optimizer)
+        for name, p in named:
+            self._agg.add_key(name, p.detach().cpu().numpy())
+            with torch.no_grad():
+                p.copy_(self._agg.backup.glo_buf(name).view(p.shape))  # rank 0's weights
+        self._buffers = [b for b in model.buffers()] if broadcast_buffers else []
+        self._broadcast_buffers()
+        self._hook = model.register_forward_pre_hook(lambda module, args: (
+            self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
+
+    @staticmethod
+    def _parameters_of(model, optimizer):
+        """The (name, parameter) pairs to aggregate: the model's trainable ones, each of
+        which the optimizer must hold, float32 and dense."""
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        missing = [n for n, p in named if id(p) not in held]
+        if missing:
+            raise ValueError("parameters %s of the model are not in the optimizer: give the "
+                             "optimizer every trainable parameter, or freeze them "
+                             "(requires_grad=False)" % ", ".join(missing[:5]))
+        mine = {id(p) for _, p in named}
+        extra = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
+        if extra:
+            raise ValueError("the optimizer holds %d parameters that are not trainable "
+                             "parameters of the model: pass the model whose parameters it "
+                             "updates" % extra)
+        for n, p in named:
+            if p.dtype != torch.float32:
+                raise TypeError("parameter %s is %s: slimgc aggregates float32 parameters only "
+                                "(keep the model in float32; torch.autocast computes in lower "
+                                "precision without changing them)" % (n, p.dtype))
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        return named
+
+    def _broadcast_buffers(self):
+        if not self._buffers or self._transport.num_workers == 1:
+            return
+        group = self._transport.sync_group()
+        for b in self._buffers:
+            dist.broadcast(b.data, src=0, group=group)
+
+    # -- the step --------------------------------------------------------------------------
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf
+
+    def step(self, closure=None):
+        """Aggregate every parameter's gradient; the parameters get loc_buf (backup) or the
+        global weights. Under a GradScaler a step whose gradients hold inf/NaN on any rank
+        is skipped on every rank."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        grads = []
+        for name, p in self._named:
+            if p.grad is None:
+                raise RuntimeError(
+                    "parameter %s has no gradient at this step: every rank must push every "
+                    "trainable parameter; freeze parameters the loss does not reach "
+                    "(requires_grad=False) before creating the DistributedOptimizer" % name)
+            if p.grad.is_sparse:
+                raise TypeError("parameter %s has a sparse gradient: slimgc aggregates dense "
+                                "gradients (use a dense embedding)" % name)
+            grads.append(p.grad)
+        if found_inf is not None:
+            if scale is not None:  # not unscaled by the user: unscale as GradScaler would
+                inv = scale.double().reciprocal().float()
+                found_inf = torch.zeros_like(found_inf)
+                for g in grads:
+                    torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv)
+            anywhere = found_inf.detach().to("cpu", torch.float32).reshape(1).clone()
+            if self._transport.num_workers > 1:
+                dist.all_reduce(anywhere, op=dist.ReduceOp.MAX,
+                                group=self._transport.sync_group())
+            if anywhere.item() > 0:
+                return loss  # skipped alike on every rank; GradScaler lowers its scale
+        for (name, p), g in zip(self._named, grads):
+            self._agg.push(name, [g], [p])
+        self._agg.send_pending()
+        self._inner._opt_called = True  # what an LR scheduler built on it looks for
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    # -- reading weights -------------------------------------------------------------------
+    def flush(self):
+        """Wait for the aggregations in flight and write the global weights into the model."""
+        self._agg.flush()
+
+    def stats(self):
+        """Bytes, times and the CTTab's decision, as the MXNet kvstore's stats()."""
+        from ..aggregator import report
+        return report(self._agg, self._agg.config.compressor, 0)
+
+    @property
+    def rank(self):
+        return self._transport.rank
+
+    @property
+    def num_workers(self):
+        return self._transport.num_workers
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self):
+        """Everything a resumed job needs (glo_buf, residuals, codec and optimizer states, the
+        CTTab's decision), as tensors and plain values: torch.save/torch.load(weights_only=True)
+        keep it without pickling code. It flushes first (the model gets the global weights)."""
+        self.flush()
+        return to_tensors(checkpoint.state(self._agg))
+
+    def load_state_dict(self, state_dict):
+        """Restore state_dict(); the model gets the saved global weights."""
+        state = from_tensors(state_dict)
+        self._agg.send_pending()
+        self._agg.pipeline.wait_idle(self._agg.config.timeout)
+        checkpoint.check(state, self._agg, "state_dict")
+        checkpoint.load(state, self._agg, "state_dict")
+        for name, p in self._named:
+            with torch.no_grad():
+                p.copy_(self._agg.backup.glo_buf(name).view(p.shape))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self):
+        """Finish the aggregations in flight and stop the engine's threads."""
+        if self._agg is None:
+            return
+        try:
+            if not self._agg.broken:
+                self._agg.flush()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+            self._agg.close(join=not self._agg.broken)
+            self._transport.close(timeout=5)
+            self._agg = None
+
+
+def _check_momentum(codec, optimizer):
+    """dgc applies momentum itself (before sparsifying): the optimizer's must be 0."""
+    momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
+    if codec is not None and codec.owns_momentum and momentum:
+        raise ValueError("codec %r applies momentum itself, so the optimizer's momentum must "
+                         "be 0, got momentum=%r: create the optimizer with momentum=0 and give "
+                         "the codec's own option instead, e.g. compression=%r, momentum=%r"
+                         % (codec.name, momentum, codec.name, momentum))
+
+
+def flush(optimizer):
+    """The global weights into the model (for evaluation or saving)."""
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("flush() takes a slimgc DistributedOptimizer, got %s"
+                        % type(optimizer).__name__)
+    optimizer.flush()
