@@ -24,7 +24,8 @@ if ROOT not in sys.path:
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.update import LocalUpdater, clone_optimizer  # noqa: E402
 from slimgc_mx.sgd import SGDKernel  # noqa: E402
-from slimgc_mx.transport import Buffer, EngineNotifier  # noqa: E402
+from slimgc_mx.mxnet.buffers import Buffer  # noqa: E402
+from slimgc_mx.mxnet.engine import EngineNotifier  # noqa: E402
 
 
 def measure(fn, calls):

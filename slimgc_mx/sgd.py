@@ -18,7 +18,7 @@ import numpy as np
 
 from . import sgd_rule
 from .env import check_num_threads
-from .transport import Buffer, wait_to_write
+from .mxnet.buffers import Buffer, wait_to_write
 
 
 def supports(optimizer):
@@ -89,7 +89,7 @@ class SGDKernel:
         `out` is readable, and `out` as the array to wait for. `encoder` (a
         grad_buf.FusedEncode) encodes `grad` in the same pass, filling `check`, with one
         operator per piece when it has pieces; `grad` may then be MXNet's own gradient
-        (transport.ArrayInPlace).
+        (buffers.ArrayInPlace).
         """
         step, = _steps(opt, [index])
         mom = self.momentum(index, weight.nd.shape)

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import sgd, sgd_rule
 from .codecs import OptimizerView
-from .transport import copy_array
+from .mxnet.buffers import copy_array
 
 
 @dataclass

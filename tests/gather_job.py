@@ -14,7 +14,8 @@ import os
 import mxnet  # noqa: F401  (a server or scheduler process stops here)
 import numpy as np
 
-from slimgc_mx.transport import Buffer, DistTransport
+from slimgc_mx.mxnet.buffers import Buffer
+from slimgc_mx.mxnet.dist import DistTransport
 
 #: Slot shapes (rows, columns) of the keys: one lane, a thin column, a row of a few lanes,
 #: and slots of many rows, which a small MXNET_KVSTORE_BIGARRAY_BOUND splits over servers

@@ -59,7 +59,8 @@ def test_host_and_thread_classes_implement_the_protocol():
 
 def test_mxnet_classes_implement_the_protocol():
     pytest.importorskip("mxnet")
-    from slimgc_mx.transport import ArrayOps, Buffer, EngineNotifier
+    from slimgc_mx.mxnet.buffers import ArrayOps, Buffer
+    from slimgc_mx.mxnet.engine import EngineNotifier
     assert isinstance(Buffer((2, 2), np.float32), backend.HostArray)
     assert isinstance(EngineNotifier(), backend.Readiness)
     assert isinstance(ArrayOps(), backend.Arrays)

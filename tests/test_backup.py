@@ -10,7 +10,8 @@ import training_helpers as th
 from slimgc_mx.backup import BackupTimeout, ModelBackup
 from slimgc_mx.pipeline import PipelineError
 from slimgc_mx.sgd import SGDKernel
-from slimgc_mx.transport import ArrayOps, EngineNotifier
+from slimgc_mx.mxnet.buffers import ArrayOps
+from slimgc_mx.mxnet.engine import EngineNotifier
 from slimgc_mx.update import LocalUpdater, clone_optimizer
 
 

@@ -1,4 +1,4 @@
-"""transport.copy_array: the engine copy on the hot path, MKLDNN layouts included."""
+"""buffers.copy_array: the engine copy on the hot path, MKLDNN layouts included."""
 import ctypes
 
 import mxnet as mx
@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 from mxnet.base import _LIB, check_call
 
-from slimgc_mx.transport import buffers as transport
 from slimgc_mx.bench.models import get_model
-from slimgc_mx.transport import Buffer, copy_array
+from slimgc_mx.mxnet import buffers
+from slimgc_mx.mxnet.buffers import Buffer, copy_array
 
 
 @pytest.fixture(params=["copy operator", "copyto"])
 def path(request, monkeypatch):
     """Run a test through each of copy_array's two paths (the test arrays are small)."""
     if request.param == "copy operator":
-        monkeypatch.setattr(transport, "COPY_OP_MIN_SIZE", 1)
+        monkeypatch.setattr(buffers, "COPY_OP_MIN_SIZE", 1)
     return request.param
 
 
@@ -87,17 +87,17 @@ def test_casts_through_copyto(dtype):
 
 def test_large_arrays_take_the_copy_operator(monkeypatch):
     calls = []
-    monkeypatch.setattr(transport.mx.nd, "identity", lambda *a, **k: calls.append(a))
-    src = mx.nd.ones(transport.COPY_OP_MIN_SIZE)
-    copy_array(src, mx.nd.zeros(transport.COPY_OP_MIN_SIZE))
+    monkeypatch.setattr(buffers.mx.nd, "identity", lambda *a, **k: calls.append(a))
+    src = mx.nd.ones(buffers.COPY_OP_MIN_SIZE)
+    copy_array(src, mx.nd.zeros(buffers.COPY_OP_MIN_SIZE))
     copy_array(src[:10], mx.nd.zeros(10))
-    assert len(calls) == 1 and calls[0][0].size == transport.COPY_OP_MIN_SIZE
+    assert len(calls) == 1 and calls[0][0].size == buffers.COPY_OP_MIN_SIZE
 
 
 def test_array_in_place_views_default_layout_and_refuses_mkldnn():
     """ArrayInPlace.held() is the array's own memory in the default layout, and refuses
     (LayoutError, no wait, no reorder) an array that MKLDNN has relaid."""
-    from slimgc_mx.transport import ArrayInPlace, LayoutError
+    from slimgc_mx.mxnet.buffers import ArrayInPlace, LayoutError
 
     a = mx.nd.array(np.arange(12, dtype=np.float32).reshape(3, 4))
     held = ArrayInPlace(a).for_read()

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from slimgc_mx.transport import BIGARRAY_BOUND
+from slimgc_mx.mxnet.dist import BIGARRAY_BOUND
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.multiprocess

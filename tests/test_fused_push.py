@@ -17,7 +17,7 @@ from slimgc_mx.aggregator import Aggregator
 from slimgc_mx.mxnet.framework import MXNetFramework
 from slimgc_mx.codecs.base import NonFiniteGradientError, kernels
 from slimgc_mx.kvstore import SlimGC
-from slimgc_mx.transport import ArrayInPlace
+from slimgc_mx.mxnet.buffers import ArrayInPlace
 
 FUSED = [("1bit", {}), ("2bit", {}), ("4bit", {}), ("terngrad", {}), ("qsgd", {}),
          ("thc", {})]
@@ -182,7 +182,7 @@ def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
     (LayoutError through DLPack) and every worker's next wait raises it: nothing is sent
     from a relaid array and no weight is updated."""
     from slimgc_mx.pipeline import PipelineError
-    from slimgc_mx.transport import LayoutError
+    from slimgc_mx.mxnet.buffers import LayoutError
 
     size = 3000
     relaid = []

@@ -11,7 +11,7 @@ from slimgc_mx.grad_buf import KeyBuffers
 from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.planner import FusedRoute
 from slimgc_mx.threshold import CTTab
-from slimgc_mx.transport import Buffer
+from slimgc_mx.mxnet.buffers import Buffer
 from slimgc_mx.transport.keys import FUSED_BASE as FUSED_KEY_BASE
 from slimgc_mx.transport.keys import WireKeys
 

@@ -24,7 +24,8 @@ from slimgc_mx.kvstore import SlimGC
 from slimgc_mx.pipeline import PipelineError
 from slimgc_mx.threshold import NEVER
 from slimgc_mx import env
-from slimgc_mx.transport import BIGARRAY_BOUND, LocalTransport, ThreadGroup
+from slimgc_mx.mxnet.dist import BIGARRAY_BOUND
+from slimgc_mx.transport import LocalTransport, ThreadGroup
 
 
 def _net(seed=0):

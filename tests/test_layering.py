@@ -58,7 +58,7 @@ print(original_step is trainer_mod.Trainer._allreduce_grads, hook is sys.excepth
 @pytest.mark.parametrize("order", ["import slimgc_mx\nimport mxnet as mx",
                                    "import mxnet as mx\nimport slimgc_mx",
                                    # an inner module that imports MXNet, before MXNet
-                                   "from slimgc_mx.transport import Buffer\nimport mxnet as mx"])
+                                   "from slimgc_mx.mxnet.buffers import Buffer\nimport mxnet as mx"])
 def test_the_name_is_registered_in_either_import_order_and_hooks_wait_for_a_store(order):
     r = _python(_REGISTERED % order)
     assert r.returncode == 0, r.stderr

@@ -10,7 +10,8 @@ from slimgc_mx.codecs.base import kernels
 from slimgc_mx.grad_buf import FusedEncode, GradCheck, KeyBuffers, nonfinite_sender, \
     stream_pieces
 from slimgc_mx.pipeline import NonFiniteAggregateError, PipelineError
-from slimgc_mx.transport import Buffer, piece_bounds
+from slimgc_mx.mxnet.buffers import Buffer
+from slimgc_mx.transport import piece_bounds
 
 LR, WD, RESCALE, MOMENTUM, CLIP = 0.05, 1e-3, 0.25, 0.9, -1.0
 

@@ -3,9 +3,9 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from slimgc_mx.transport import keys
-from slimgc_mx.transport import Buffer, DistTransport, piece_bounds
-from slimgc_mx.transport.dist import engine_threads_warning
+from slimgc_mx.mxnet.buffers import Buffer
+from slimgc_mx.mxnet.dist import DistTransport, engine_threads_warning
+from slimgc_mx.transport import keys, piece_bounds
 
 
 @pytest.mark.parametrize("size, itemsize, piece_bytes", [
@@ -112,7 +112,7 @@ def test_one_engine_thread_is_warned_about_with_the_fix():
 
 def test_a_second_dist_store_in_one_process_is_refused(monkeypatch):
     """MXNet's dist kvstore exists once per process: a second one would hang."""
-    from slimgc_mx.transport import dist
+    from slimgc_mx.mxnet import dist
     live = _transport(piece_bytes=0)  # stands in for the first store's transport
     monkeypatch.setattr(dist, "_LIVE", {live})
     with pytest.raises(RuntimeError, match="already has a SlimGC store on MXNet's dist kvstore"):

@@ -8,7 +8,7 @@ from mxnet import autograd, gluon
 
 import slimgc_mx
 from slimgc_mx.kvstore import SlimGC
-from slimgc_mx.transport import Buffer
+from slimgc_mx.mxnet.buffers import Buffer
 from thread_workers import in_threads  # noqa: F401  (tests call th.in_threads)
 
 _INIT_LOCK = threading.Lock()  # worker threads must not share MXNet's RNG while seeding

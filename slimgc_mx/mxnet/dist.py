@@ -9,8 +9,9 @@ import mxnet as mx
 import numpy as np
 
 from .. import env
-from .base import PiecesHandle, TransferHandle, Transport, piece_bounds, wait_readable
-from .keys import FUSED_BASE, PER_KEY_LIMIT, PIECE_BASE, WireKeyError
+from ..transport.base import (PiecesHandle, TransferHandle, Transport, piece_bounds,
+                              wait_readable)
+from ..transport.keys import FUSED_BASE, PER_KEY_LIMIT, PIECE_BASE, WireKeyError
 
 log = logging.getLogger(__name__)
 

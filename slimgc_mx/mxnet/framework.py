@@ -1,14 +1,14 @@
 """MXNetFramework: the aggregator's seams served by MXNet (docs/backend.md).
 
-Host buffers are CPU NDArrays with a NumPy view (transport.Buffer), readiness and write
-holds come from MXNet's engine (transport.EngineNotifier), gradients come in as NDArrays
+Host buffers are CPU NDArrays with a NumPy view (buffers.Buffer), readiness and write
+holds come from MXNet's engine (engine.EngineNotifier), gradients come in as NDArrays
 (one per device), and the optimizer is an MXNet optimizer, run by update.GlobalUpdate and
 update.LocalUpdater (the Cython SGD kernel for MXNet's SGD).
 """
 import numpy as np
 
-from ..transport import (ArrayInPlace, ArrayOps, Buffer, EngineNotifier, LayoutError,
-                         copy_array)
+from .buffers import ArrayInPlace, ArrayOps, Buffer, LayoutError, copy_array
+from .engine import EngineNotifier
 from ..update import GlobalUpdate, LocalUpdater, check_loc_optimizer, optimizer_settings
 
 
