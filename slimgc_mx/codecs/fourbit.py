@@ -149,6 +149,18 @@ class FourBit(LaneCodec):
         u = nd.take(units, idx)
         return nd.where(c < 0.0, offset - u, u + offset)
 
+    def torch_levels(self, c, torch, const):
+        # bucketize(right=True) counts the thresholds <= |c|, as the kernel's selects do.
+        group = self.group
+        thresholds = const("thresholds", group, lambda: torch.tensor(
+            group_thresholds(group).tolist(), dtype=torch.float32, device=c.device))
+        units = const("units", group, lambda: torch.tensor(
+            [u // GROUP_UNITS[group] for u in (0,) + GROUPS[group]], dtype=torch.int64,
+            device=c.device))
+        u = units[torch.bucketize(c.abs(), thresholds, right=True)]
+        offset = group_offset(group)
+        return torch.where(c < 0.0, offset - u, u + offset)
+
     def device_statistic(self, grad, compensated):
         return grad
 

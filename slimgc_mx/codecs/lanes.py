@@ -13,7 +13,8 @@ decode() updates every worker's state alike.
 
 LaneCodec drives the compiled kernels; LaneReference is the NumPy implementation of
 the same arithmetic, bitwise equal, the test oracle. A codec file gives `_levels`
-(NumPy), `device_levels` (NDArray ops, for offload off) and its kernel entry point.
+(NumPy), `device_levels` (NDArray ops, for offload off), `torch_levels` (torch ops, for
+slimgc_mx.torch.device) and its kernel entry point.
 """
 import functools
 import math
@@ -131,7 +132,8 @@ class LaneCodec(Codec):
     """A codec whose workers' levels add exactly in float64 lanes.
 
     Subclasses set `levels` (L), `trailer_lanes` and implement `_affine`, `_encode_into`
-    (the kernel call), `device_levels`, and `_agree` when they carry a trailer statistic.
+    (the kernel call), `device_levels` (and `torch_levels` for the torch device path), and
+    `_agree` when they carry a trailer statistic.
     """
 
     levels = None
@@ -369,6 +371,15 @@ class LaneCodec(Codec):
     def device_statistic(self, grad, compensated):
         """The NDArray whose |.| the trailer statistic sums (None without a trailer)."""
         return None
+
+    # ------------------------------------------------------------ torch path (PyTorch)
+    def torch_levels(self, compensated, torch, const):
+        """int64 tensor of the level of each compensated value (torch ops: `torch` is the
+        module, handed in so that the codecs import no framework).
+
+        const(kind, params, make) returns a small cached tensor on the values' device.
+        """
+        raise NotImplementedError
 
 
 class SharedScale:

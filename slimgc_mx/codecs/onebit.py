@@ -44,6 +44,9 @@ class OneBit(SharedScale, LaneCodec):
     def device_levels(self, c, nd, const):
         return c >= 0.0
 
+    def torch_levels(self, c, torch, const):
+        return (c >= 0.0).long()
+
     def device_statistic(self, grad, compensated):
         return compensated
 

@@ -31,6 +31,10 @@ class TwoBit(LaneCodec):
         t = float(np.float32(self._threshold))
         return (c >= t) - (c <= -t) + 1.0
 
+    def torch_levels(self, c, torch, const):
+        t = float(np.float32(self._threshold))
+        return (c >= t).long() - (c <= -t).long() + 1
+
 
 @register(reference=True)
 class TwoBitReference(LaneReference, TwoBit):

@@ -1,6 +1,6 @@
 """Device codec for PyTorch: a lane codec's encode/decode as torch ops on the gradient's device.
 
-The twin of slimgc_mx/device.py (offload off, "compression on the GPU") for torch tensors:
+The twin of MXNet's DeviceCodec (offload off, "compression on the GPU") for torch tensors:
 a CUDA gradient is compensated, levelled and packed on the card, where its error-feedback
 residual stays, and only the lanes cross to the host, in one copy. The lanes and the
 residual are bitwise those of the Cython kernels given the same state, so some keys may

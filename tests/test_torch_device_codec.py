@@ -1,0 +1,348 @@
+"""Torch device codec against the Cython codecs: bitwise equal lanes, residuals and decoded
+sums over several steps of N simulated workers, on the CPU and (where there is one) a CUDA
+device; the key API with the residual kept on the device; NaN policy; input errors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from slimgc_mx import codecs  # noqa: E402
+from slimgc_mx.codecs import fourbit  # noqa: E402
+from slimgc_mx.torch.device import TorchDeviceCodec, benchmark  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LANE_CODECS = ["1bit", "2bit", "4bit"]
+#: Gradient magnitude per step: 4bit crosses groups 3 -> 1 -> 2 -> 3 (Table 1).
+STEP_SCALES = [0.02, 0.3, 2.0, 0.05]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here (run on a GPU machine)"))]
+
+
+def bits(a):
+    """Bit pattern: equality that tells -0.0 from 0.0."""
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
+
+
+def host(x):
+    """A tensor's (or array's) values as a flat NumPy array on the host."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x).reshape(-1)
+
+
+def assert_same(a, b, what):
+    a, b = host(a), host(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    bad = np.flatnonzero(bits(a) != bits(b))
+    assert bad.size == 0, "%s differs at %d places, first %d: %r vs %r" % (
+        what, bad.size, bad[0], a[bad[0]], b[bad[0]])
+
+
+def gradient(rng, n, scale, codec):
+    """float32 gradient: normal values, zeros, -0.0 and values right at the codec's thresholds."""
+    g = (scale * rng.standard_normal(n)).astype(np.float32)
+    special = [0.0, -0.0]
+    if codec.name == "2bit":
+        t = np.float32(codec.threshold)
+        special += [t, -t, np.nextafter(t, np.float32(0)), -np.nextafter(t, np.float32(0))]
+    elif codec.name == "4bit":
+        for x in fourbit.group_thresholds(codec.group):
+            special += [x, -x, np.nextafter(x, np.float32(0)), -np.nextafter(x, np.float32(0))]
+    pick = rng.random(n) < 0.1
+    g[pick] = rng.choice(np.array(special, dtype=np.float32), int(pick.sum()))
+    return g
+
+
+def shapes_for(codec, n_workers, rng):
+    """Sizes around the lane packing k, odd sizes, and random shapes of 1 to 3 odd dims."""
+    _, k = codec.geometry(n_workers)
+    shapes = [(n,) for n in sorted({1, 7, max(1, k - 1), k, k + 1, 3 * k + 2, 4097})]
+    shapes += [(37, 41), (100003,)]
+    for _ in range(3):
+        shapes.append(tuple(int(d) | 1 for d in rng.integers(1, 60, rng.integers(1, 4))))
+    return shapes
+
+
+def run_workers(name, shape, n_workers, steps, rng, device):
+    """Encode every worker's gradient with both paths, sum lanes in float64, decode; compare.
+
+    Worker 0's lanes go to a host array (a key's bit_buf), the others' to a tensor on the
+    device; decode alternates the same way.
+    """
+    size = int(np.prod(shape))
+    cy = codecs.create(name, num_threads=1)
+    dev = TorchDeviceCodec(codecs.create(name))
+    res_cy = [np.zeros(size, np.float32) for _ in range(n_workers)]
+    res_dev = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(n_workers)]
+    for step in range(steps):
+        n_lanes = cy.lane_count(size, n_workers)  # 4bit's follows the group agreed so far
+        body = n_lanes - cy.trailer_lanes
+        scale = STEP_SCALES[step % len(STEP_SCALES)]
+        total = np.zeros(n_lanes, np.float64)
+        for w in range(n_workers):
+            g = gradient(rng, size, scale, cy)
+            lanes = cy.encode(g, res_cy[w], n_workers)
+            if w == 0:
+                out = np.full(n_lanes, np.nan)
+            else:
+                out = torch.full((n_lanes,), np.nan, dtype=torch.float64, device=device)
+            grad = torch.from_numpy(g).to(device).reshape(shape)
+            assert dev.encode(grad, res_dev[w], n_workers, out) is out
+            what = "%s N=%d shape=%s step=%d worker=%d" % (name, n_workers, shape, step, w)
+            got = host(out)
+            assert_same(got[:body], lanes[:body], "lanes " + what)
+            if cy.trailer_lanes:  # a float64 mean summed in another order
+                np.testing.assert_allclose(got[body:], lanes[body:], rtol=1e-12, atol=0)
+            assert_same(res_dev[w], res_cy[w], "residual " + what)
+            assert res_dev[w].device.type == device and tuple(res_dev[w].shape) == shape
+            assert_same(grad, g, "grad unchanged " + what)
+            total += lanes
+        decoded = cy.decode(total, size, n_workers)
+        if step % 2:
+            out = torch.full(shape, np.nan, dtype=torch.float32, device=device)
+            dev.decode(torch.from_numpy(total).to(device), size, n_workers, out)
+        else:
+            out = np.full(shape, np.nan, dtype=np.float32)
+            dev.decode(total, size, n_workers, out, device=device)
+        assert_same(out, decoded, "decoded %s N=%d shape=%s step=%d"
+                    % (name, n_workers, shape, step))
+        assert dev.codec.state_dict() == cy.state_dict()
+    return cy, dev
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_workers", [2, 4])
+@pytest.mark.parametrize("name", LANE_CODECS)
+def test_bitwise_equal_to_cython(name, n_workers, device):
+    rng = np.random.default_rng([LANE_CODECS.index(name), n_workers])
+    for shape in shapes_for(codecs.create(name), n_workers, rng):
+        run_workers(name, shape, n_workers, 2 if np.prod(shape) > 10000 else 4, rng, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shared_state_follows_decode(device):
+    """1bit scale and 4bit group come from the trailer lane, as in Codec.decode()."""
+    rng = np.random.default_rng(1)
+    cy, dev = run_workers("1bit", (5000,), 3, 2, rng, device)
+    assert dev.codec.scale > 0 and dev.codec.scale == cy.scale
+    cy, dev = run_workers("4bit", (5000,), 2, 3, rng, device)
+    assert dev.codec.group == cy.group == fourbit.group_for_mean(1.6)  # step 2: scale 2.0
+
+
+class Host:
+    """A HostArray over a NumPy array (backend.HostArray: what the engine hands a codec)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def for_read(self):
+        return self.array
+
+    def for_write(self):
+        return self.array
+
+
+class Key:
+    """The KeyBuffers fields encode_key / decode_key use."""
+
+    def __init__(self, size):
+        self.size = size
+        self.residual = Host(np.zeros(size, np.float32))
+        self.agg = Host(np.full(size, np.nan, np.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", LANE_CODECS)
+def test_key_api_keeps_the_residual_on_the_device(name, device):
+    """encode_key / decode_key as the aggregator and pipeline call them: lanes to the host
+    bit_buf, the decoded sum to agg, the residual on the gradient's device (b.residual
+    itself on the CPU) until residual_to_host(), which a host flush then sees."""
+    rng = np.random.default_rng(5)
+    n_workers, shape = 2, (33, 31)
+    size = int(np.prod(shape))
+    cy = codecs.create(name, num_threads=1)
+    dev = TorchDeviceCodec(codecs.create(name))
+    b, res_cy = Key(size), np.zeros(size, np.float32)
+    for step in range(3):
+        g = gradient(rng, size, STEP_SCALES[step], cy)
+        lanes = cy.encode(g, res_cy, n_workers)
+        send = Host(np.full(lanes.shape, np.nan))
+        dev.encode_key(b, torch.from_numpy(g).to(device).reshape(shape), n_workers, 0, send)
+        body = lanes.shape[0] - cy.trailer_lanes
+        assert_same(send.array[:body], lanes[:body], "lanes step %d" % step)
+        if device == "cpu":
+            assert dev.residual is None
+            assert_same(b.residual.array, res_cy, "host residual step %d" % step)
+        else:
+            assert dev.residual.device.type == "cuda"
+            assert (b.residual.array == 0).all()  # the host copy waits for residual_to_host
+            assert_same(dev.residual, res_cy, "device residual step %d" % step)
+        total = lanes * n_workers
+        dev.decode_key(b, n_workers, Host(total))
+        assert_same(b.agg.array, cy.decode(total, size, n_workers), "agg step %d" % step)
+    dev.residual_to_host(b)
+    assert dev.residual is None
+    assert_same(b.residual.array, res_cy, "residual after residual_to_host")
+    b.residual.array[:] = 0  # a full-precision push flushed it
+    res_cy[:] = 0
+    g = gradient(rng, size, 0.3, cy)
+    lanes = cy.encode(g, res_cy, n_workers)
+    send = Host(np.full(lanes.shape, np.nan))
+    dev.encode_key(b, torch.from_numpy(g).to(device), n_workers, 0, send)
+    body = lanes.shape[0] - cy.trailer_lanes
+    assert_same(send.array[:body], lanes[:body], "lanes after the flush")
+    dev.residual_to_host(b)
+    assert_same(b.residual.array, res_cy, "residual after the flush")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("bad", ["nan", "inf", "sum"])
+def test_nonfinite_raises_before_touching(name, bad, device):
+    dev = TorchDeviceCodec(codecs.create(name))
+    g = np.linspace(-1, 1, 1000).astype(np.float32)
+    r = np.full(1000, 0.25, np.float32)
+    if bad == "nan":
+        g[17] = np.nan
+    elif bad == "inf":
+        g[999] = -np.inf
+    else:  # finite alone, but grad + residual overflows float32
+        g[3], r[3] = 3e38, 3e38
+    residual = torch.from_numpy(r.copy()).to(device)
+    n_lanes = dev.codec.lane_count(1000, 2)
+    out = np.full(n_lanes, 7.0)
+    match = "grad \\+ residual" if bad == "sum" else "grad\\[%d\\]" % (17 if bad == "nan" else 999)
+    with pytest.raises(codecs.NonFiniteGradientError, match=match):
+        dev.encode(torch.from_numpy(g).to(device), residual, 2, out)
+    assert_same(residual, r, "residual")
+    assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_gradient(device):
+    for name in LANE_CODECS:
+        cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
+        out = np.full(cy.lane_count(0, 2), 7.0)
+        empty = torch.zeros(0, device=device)
+        dev.encode(empty, empty.clone(), 2, out)
+        np.testing.assert_array_equal(out, cy.encode(np.zeros(0, np.float32),
+                                                     np.zeros(0, np.float32), 2))
+        dev.decode(out, 0, 2, torch.zeros(0, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_finite_values_are_not_rejected(device):
+    rng = np.random.default_rng(4)
+    for name in LANE_CODECS:
+        cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
+        g = rng.standard_normal(999).astype(np.float32)
+        g[::7] = 3e38
+        r = np.zeros(999, np.float32)
+        lanes = cy.encode(g, r, 2)
+        out = np.zeros(lanes.shape[0])
+        residual = torch.zeros(999, device=device)
+        dev.encode(torch.from_numpy(g).to(device), residual, 2, out)
+        body = lanes.shape[0] - cy.trailer_lanes
+        assert_same(out[:body], lanes[:body], name)
+        assert_same(residual, r, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", LANE_CODECS)
+def test_decode_extreme_lanes(name, device):
+    """Digit sums at 0 and R-1 everywhere (lanes up to R**k - 1 <= 2**53) decode exactly."""
+    rng = np.random.default_rng(3)
+    for n_workers in (1, 2, 5, 64):
+        cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
+        if name == "1bit":
+            cy.scale = dev.codec.scale = 0.37  # a scale 0 would decode everything to 0
+        radix, k = cy.geometry(n_workers)
+        size = 50 * k - 3
+        body = -(-size // k)
+        digits = rng.integers(0, radix, (body, k))
+        digits[0], digits[1] = radix - 1, 0
+        digits[2, :] = 0
+        digits[2, -1] = radix - 1
+        digits[3, :-1] = radix - 1
+        digits[-1, k - 3:] = 0  # the partial last lane packs no digits past the end
+        powers = [radix ** j for j in range(k)]
+        lanes = [float(sum(int(d) * p for d, p in zip(row, powers))) for row in digits]
+        lanes += [0.7 * n_workers] * cy.trailer_lanes
+        lanes = np.array(lanes, dtype=np.float64)
+        out = torch.zeros(size, device=device)
+        dev.decode(torch.from_numpy(lanes).to(device), size, n_workers, out)
+        assert_same(out, cy.decode(lanes, size, n_workers), "%s N=%d" % (name, n_workers))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_input_errors(device):
+    for name in ("none", "terngrad", "topk"):
+        with pytest.raises(ValueError, match="lane codecs with torch levels"):
+            TorchDeviceCodec(codecs.create(name))
+        assert not TorchDeviceCodec.supports(codecs.create(name))
+    dev = TorchDeviceCodec(codecs.create("2bit"))
+    g, r = torch.zeros(10, device=device), torch.zeros(10, device=device)
+    n_lanes = dev.codec.lane_count(10, 2)
+    lanes = np.zeros(n_lanes)
+    with pytest.raises(TypeError, match="float64"):
+        dev.encode(g, r, 2, np.zeros(n_lanes, np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        dev.encode(g.double(), r, 2, lanes)
+    with pytest.raises(ValueError, match="elements"):
+        dev.encode(g, torch.zeros(9, device=device), 2, lanes)
+    with pytest.raises(ValueError, match="elements"):
+        dev.encode(g, r, 2, np.zeros(n_lanes + 1))
+    with pytest.raises(TypeError, match="torch tensor"):
+        dev.encode(g.cpu().numpy(), r, 2, lanes)
+    with pytest.raises(TypeError, match="torch tensor"):
+        dev.encode(g, r.cpu().numpy(), 2, lanes)
+    with pytest.raises(TypeError, match="contiguous"):
+        dev.encode(g, torch.zeros(20, device=device)[::2], 2, lanes)
+    with pytest.raises(TypeError, match="read-only"):
+        frozen = np.zeros(n_lanes)
+        frozen.setflags(write=False)
+        dev.encode(g, r, 2, frozen)
+    with pytest.raises(ValueError, match="num_workers"):
+        dev.encode(g, r, 0, lanes)
+    if device == "cuda":
+        with pytest.raises(ValueError, match="grad's device"):
+            dev.encode(g, r.cpu(), 2, lanes)
+    bad = np.zeros(n_lanes)
+    bad[0] = -1.0
+    out = np.full(10, 7.0, np.float32)
+    with pytest.raises(ValueError, match="outside \\[0, 2\\*\\*53\\)"):
+        dev.decode(bad, 10, 2, out, device=device)
+    assert (out == 7.0).all() and dev.codec.pushes == 0
+    one = TorchDeviceCodec(codecs.create("1bit"))
+    n_lanes = one.codec.lane_count(10, 2)
+    lanes = torch.zeros(n_lanes, dtype=torch.float64, device=device)
+    lanes[n_lanes - 1] = -1.0
+    with pytest.raises(ValueError, match="trailer"):
+        one.decode(lanes, 10, 2, torch.zeros(10, device=device))
+    assert one.codec.scale == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", LANE_CODECS)
+def test_benchmark_gives_seconds_per_encode_and_decode(name, device):
+    result = benchmark(name, 5003, device, repeats=2, warmup=1)
+    assert sorted(result) == ["decode", "encode"]
+    assert all(isinstance(v, float) and v > 0 for v in result.values())
+
+
+def _python(code):
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_codecs_import_no_torch_and_the_torch_codec_no_mxnet():
+    r = _python("import sys, slimgc_mx.codecs; print('torch' in sys.modules)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    r = _python("import sys, slimgc_mx.torch.device; print('mxnet' in sys.modules)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
