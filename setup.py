@@ -3,12 +3,14 @@ import os
 import runpy
 import sys
 import tempfile
+
+# setuptools before distutils: Python 3.12 has no distutils of its own, setuptools provides it.
+from setuptools import Extension, find_packages, setup
 from distutils.ccompiler import new_compiler
 from distutils.errors import CompileError, LinkError
 
 import numpy
 from Cython.Build import cythonize
-from setuptools import Extension, find_packages, setup
 
 
 def openmp_flags():
