@@ -52,7 +52,9 @@ def check_threshold(threshold, name):
         return None
     ok = isinstance(threshold, numbers.Real) and not isinstance(threshold, bool)
     value = float(threshold) if ok else float("nan")
-    if not (math.isfinite(value) and value > 0 and 0 < np.float32(value) < np.inf):
+    with np.errstate(over="ignore"):  # beyond float32 is refused below, not warned about
+        single = np.float32(value)
+    if not (math.isfinite(value) and value > 0 and 0 < single < np.inf):
         raise ValueError("%s: threshold must be a finite number > 0 that float32 can hold, "
                          "got %r; pass e.g. threshold=0.5" % (name, threshold))
     return value
