@@ -92,7 +92,7 @@ def train_rank(kv, codec, options=None, steps=STEPS, lr=LR, momentum=MOMENTUM, d
 def in_threads(workers, codec, options=None, **job):
     """train_rank(**job) on `workers` threads sharing a ThreadGroup transport;
     [(initial, final)] per rank."""
-    from slimgc_mx.kvstore import SlimGC
+    from slimgc_mx.mxnet.kvstore import SlimGC
     from slimgc_mx.transport import ThreadGroup
     group = ThreadGroup(workers)
     results, errors = [None] * workers, []

@@ -29,7 +29,7 @@ for path in (ROOT, os.path.join(ROOT, "scripts")):
 
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.bench import datasets, models  # noqa: E402
-from slimgc_mx.update import optimizer_view, state_arrays  # noqa: E402
+from slimgc_mx.mxnet.update import optimizer_view, state_arrays  # noqa: E402
 from train import Evaluator  # noqa: E402
 
 #: Bytes of MXNet's row_sparse bookkeeping per row and direction (int64 row id plus

@@ -22,8 +22,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from slimgc_mx import codecs  # noqa: E402
-from slimgc_mx.update import LocalUpdater, clone_optimizer  # noqa: E402
-from slimgc_mx.sgd import SGDKernel  # noqa: E402
+from slimgc_mx.mxnet.update import LocalUpdater, clone_optimizer  # noqa: E402
+from slimgc_mx.mxnet.sgd import SGDKernel  # noqa: E402
 from slimgc_mx.mxnet.buffers import Buffer  # noqa: E402
 from slimgc_mx.mxnet.engine import EngineNotifier  # noqa: E402
 

@@ -7,7 +7,7 @@
     slimgc_mx.flush(trainer)              # global weights into the parameters
 
 Importing the package does not import MXNet: the names are registered at once if MXNet
-is already imported, else right after it is (mxnet_hooks.register). `slimgc_mx.codecs`,
+is already imported, else right after it is (mxnet.hooks.register). `slimgc_mx.codecs`,
 `slimgc_mx.threshold` and `slimgc_mx.launch` never import MXNet.
 """
 import importlib
@@ -21,8 +21,8 @@ __all__ = ["SlimGC", "SlimGCConfig", "flush", "register"]
 
 def register():
     """Register the kvstore names with MXNet (imports MXNet; idempotent)."""
-    from . import mxnet_hooks
-    mxnet_hooks.register()
+    from .mxnet import hooks
+    hooks.register()
 
 
 def flush(trainer_or_kvstore):
@@ -32,7 +32,7 @@ def flush(trainer_or_kvstore):
     no-op for any other kvstore, so scripts can call it unconditionally.
     """
     kv = getattr(trainer_or_kvstore, "_kvstore", trainer_or_kvstore)
-    kvstore = sys.modules.get(__name__ + ".kvstore")
+    kvstore = sys.modules.get(__name__ + ".mxnet.kvstore")
     if kvstore is not None and isinstance(kv, kvstore.SlimGC):
         kv.flush()
 
@@ -40,7 +40,7 @@ def flush(trainer_or_kvstore):
 def __getattr__(name):
     """SlimGC and SlimGCConfig on first use (SlimGC imports MXNet)."""
     if name == "SlimGC":
-        return importlib.import_module(__name__ + ".kvstore").SlimGC
+        return importlib.import_module(__name__ + ".mxnet.kvstore").SlimGC
     if name == "SlimGCConfig":
         return importlib.import_module(__name__ + ".config").SlimGCConfig
     raise AttributeError("module %r has no attribute %r" % (__name__, name))

@@ -104,7 +104,7 @@ def check(state, agg, where):
     if check_state is not None:
         check_state(state["optimizer"]["global"], where)
     elif not state.get("pickled"):
-        from .update import restore_optimizer, clone_optimizer
+        from .mxnet.update import restore_optimizer, clone_optimizer
         restore_optimizer(clone_optimizer(agg.update.optimizer),
                           state["optimizer"]["global"]["optimizer"], where)
 

@@ -9,10 +9,10 @@ import pytest
 import training_helpers as th
 from slimgc_mx.backup import BackupTimeout, ModelBackup
 from slimgc_mx.pipeline import PipelineError
-from slimgc_mx.sgd import SGDKernel
+from slimgc_mx.mxnet.sgd import SGDKernel
 from slimgc_mx.mxnet.buffers import ArrayOps
 from slimgc_mx.mxnet.engine import EngineNotifier
-from slimgc_mx.update import LocalUpdater, clone_optimizer
+from slimgc_mx.mxnet.update import LocalUpdater, clone_optimizer
 
 
 def _backup(enabled=True, timeout=5.0, engine=None):

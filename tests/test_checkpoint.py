@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from slimgc_mx import dataio
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 
 
 def _store(shape=(10,), **options):

@@ -11,7 +11,7 @@ import pytest
 
 from slimgc_mx import codecs
 from slimgc_mx.codecs import lanes
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "defaults_check.py")

@@ -333,7 +333,7 @@ def test_training_hands_the_optimizer_view_to_the_codec(monkeypatch):
 def test_the_view_names_mxnets_update(name):
     """E*w + B*m is the update without this gradient, D*g the part the gradient adds
     (what delta divides), for MXNet's SGD and NAG with momentum and weight decay."""
-    from slimgc_mx.update import optimizer_view
+    from slimgc_mx.mxnet.update import optimizer_view
     rng = np.random.default_rng(3)
     w = rng.standard_normal(100).astype(np.float32)
     m = rng.standard_normal(100).astype(np.float32)

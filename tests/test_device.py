@@ -7,7 +7,7 @@ import pytest
 
 from slimgc_mx import codecs
 from slimgc_mx.codecs import fourbit
-from slimgc_mx.device import DeviceCodec
+from slimgc_mx.mxnet.device import DeviceCodec
 
 LANE_CODECS = ["1bit", "2bit", "4bit"]
 #: Gradient magnitude per step: 4bit crosses groups 3 -> 1 -> 2 -> 3 (Table 1).

@@ -198,16 +198,20 @@ OUTSIDE = ("mxnet.", "mx.", "gluon.", "nd.", "self.")
 
 
 def _modules():
-    """{short name: dotted module} of the package (a module, or a package's last part)."""
+    """{short name: dotted module} of the package (a module, or a package's last part); of
+    modules sharing a short name the shallowest, then the first in order, is meant (codecs,
+    not bench.codecs; mxnet.device, not torch.device)."""
     out = {"kernels": "slimgc_mx._kernels"}
     pkg = os.path.dirname(slimgc_mx.__file__)
+    found = []
     for root, _, files in os.walk(pkg):
         for name in files:
             if not name.endswith(".py") or name == "__main__.py":
                 continue
             rel = os.path.relpath(os.path.join(root, name), os.path.dirname(pkg))[:-3]
-            dotted = rel.replace(os.sep, ".").replace(".__init__", "")
-            out.setdefault(dotted.rsplit(".", 1)[-1], dotted)
+            found.append(rel.replace(os.sep, ".").replace(".__init__", ""))
+    for dotted in sorted(found, key=lambda d: (d.count("."), d)):
+        out.setdefault(dotted.rsplit(".", 1)[-1], dotted)
     return out
 
 

@@ -16,7 +16,7 @@ from slimgc_mx import codecs
 from slimgc_mx.aggregator import Aggregator
 from slimgc_mx.mxnet.framework import MXNetFramework
 from slimgc_mx.codecs.base import NonFiniteGradientError, kernels
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 from slimgc_mx.mxnet.buffers import ArrayInPlace
 
 FUSED = [("1bit", {}), ("2bit", {}), ("4bit", {}), ("terngrad", {}), ("qsgd", {}),

@@ -8,7 +8,7 @@ from mxnet import gluon
 import slimgc_mx
 import training_helpers as th
 from slimgc_mx.grad_buf import KeyBuffers
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 from slimgc_mx.planner import FusedRoute
 from slimgc_mx.threshold import CTTab
 from slimgc_mx.mxnet.buffers import Buffer

@@ -8,7 +8,7 @@ from mxnet import gluon
 
 import slimgc_mx
 import training_helpers as th
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 
 def _net(seed=0):
     """2 Dense layers, 4 tensors: the 32x12 and 4x32 weights and two biases."""

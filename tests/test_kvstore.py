@@ -17,10 +17,11 @@ from mxnet import gluon
 import slimgc_mx
 import training_helpers as th
 from codec_contract import combine
-from slimgc_mx import codecs, sgd
+from slimgc_mx import codecs
+from slimgc_mx.mxnet import sgd
 from slimgc_mx.codecs.rng import key_seed
 from slimgc_mx.backup import BackupTimeout
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 from slimgc_mx.pipeline import PipelineError
 from slimgc_mx.threshold import NEVER
 from slimgc_mx import env
@@ -603,7 +604,7 @@ def _bigarray_bound(raw):
 
 _ENGINE_JOB = """
 import mxnet as mx
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 for backup in (True, False):
     kv = SlimGC(compressor="2bit", comm_threshold=0, backup=backup, timeout=20)
     kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-3))

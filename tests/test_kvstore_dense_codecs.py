@@ -9,7 +9,7 @@ from mxnet import gluon
 import slimgc_mx
 import training_helpers as th
 from codec_contract import make, push
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 from slimgc_mx.pipeline import NonFiniteAggregateError, PipelineError
 
 

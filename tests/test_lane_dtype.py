@@ -158,7 +158,7 @@ def test_auto_switches_every_worker_when_a_server_is_inexact(caplog):
     """One worker's lossy verdict switches both; one warning names the cost and the fix."""
     import mxnet as mx
     import training_helpers as th
-    from slimgc_mx.kvstore import SlimGC
+    from slimgc_mx.mxnet.kvstore import SlimGC
 
     def worker(rank, transport):
         if rank == 1:
@@ -183,7 +183,7 @@ def test_auto_switches_every_worker_when_a_server_is_inexact(caplog):
 
 def test_float64_refuses_inexact_servers():
     import training_helpers as th
-    from slimgc_mx.kvstore import SlimGC
+    from slimgc_mx.mxnet.kvstore import SlimGC
     import mxnet as mx
 
     def worker(rank, transport):

@@ -1,7 +1,10 @@
 """Imports in layers: what imports MXNet, what runs at import, and what only a store installs.
 
-Each check runs in a fresh interpreter, since this test process has imported everything.
+Only MXNet's adapter (slimgc_mx/mxnet/) and the experiments (slimgc_mx/bench/, scripts/)
+import MXNet. Each import check runs in a fresh interpreter, since this test process has
+imported everything.
 """
+import ast
 import os
 import subprocess
 import sys
@@ -9,6 +12,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The package's folders that may import MXNet: its adapter and the experiments.
+MAY_IMPORT_MXNET = ("slimgc_mx/mxnet", "slimgc_mx/bench")
 
 
 def _python(code, env=None, timeout=60):
@@ -17,17 +22,70 @@ def _python(code, env=None, timeout=60):
                           env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
 
 
-@pytest.mark.parametrize("module", ["slimgc_mx", "slimgc_mx.codecs", "slimgc_mx.threshold",
-                                    "slimgc_mx.launch", "slimgc_mx.config", "slimgc_mx.env",
-                                    "slimgc_mx.backup", "slimgc_mx.grad_buf",
-                                    "slimgc_mx.backend", "slimgc_mx.transport",
-                                    "slimgc_mx.planner", "slimgc_mx.pipeline",
-                                    "slimgc_mx.notice", "slimgc_mx.aggregator",
-                                    "slimgc_mx.numpy_backend", "slimgc_mx.sgd_rule"])
-def test_these_modules_do_not_import_mxnet(module):
-    r = _python("import sys, %s; print('mxnet' in sys.modules)" % module)
+def _package_modules():
+    """{dotted name: path} of every module of the package outside MAY_IMPORT_MXNET."""
+    out = {}
+    for root, dirs, files in os.walk(os.path.join(ROOT, "slimgc_mx")):
+        rel = os.path.relpath(root, ROOT).replace(os.sep, "/")
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__"
+                         and rel + "/" + d not in MAY_IMPORT_MXNET)
+        for name in sorted(files):
+            if name.endswith(".py") and name != "__main__.py":  # __main__ runs a command
+                dotted = (rel + "/" + name[:-3]).replace("/", ".")
+                out[dotted[:-len(".__init__")] if name == "__init__.py" else dotted] = \
+                    os.path.join(root, name)
+    return out
+
+
+def _mxnet_imports(path):
+    """The lines of the file `path` that import MXNet itself (at any depth of the code)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        else:
+            continue
+        if any(n == "mxnet" or n.startswith("mxnet.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_mxnets_adapter_and_the_experiments_import_mxnet():
+    modules = _package_modules()
+    assert "slimgc_mx.aggregator" in modules and "slimgc_mx.transport.base" in modules
+    assert not any(m.split(".")[1:2] in (["mxnet"], ["bench"]) for m in modules)
+    found = {os.path.relpath(path, ROOT): lines for path in modules.values()
+             if (lines := _mxnet_imports(path))}
+    assert found == {}, "import MXNet outside slimgc_mx/mxnet/ (file: lines): %s" % found
+
+
+def test_the_import_check_sees_every_form_of_importing_mxnet(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os, mxnet as mx\n"
+                   "from mxnet.kvstore import KVStoreBase\n"
+                   "from . import mxnet\n"  # the package's own adapter: not MXNet
+                   "import mxnet_like\n"
+                   "def f():\n"
+                   "    import mxnet.gluon.trainer as t\n")
+    assert _mxnet_imports(str(src)) == [1, 2, 6]
+    assert _mxnet_imports(os.path.join(ROOT, "slimgc_mx", "mxnet", "kvstore.py"))
+
+
+def test_importing_every_module_outside_the_adapter_leaves_mxnet_unloaded():
+    """Indirectly too: a module importing the adapter at import time would load MXNet."""
+    r = _python("import importlib, sys\n"
+                "for name in %r:\n"
+                "    importlib.import_module(name)\n"
+                "    if 'mxnet' in sys.modules:\n"
+                "        print(name); break\n"
+                "else:\n"
+                "    print('none')" % sorted(_package_modules()), timeout=180)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False"
+    assert r.stdout.strip() == "none", "importing %s loads MXNet" % r.stdout.strip()
 
 
 def test_the_launcher_ignores_the_callers_dmlc_role_and_warns_nothing():
@@ -71,7 +129,7 @@ def test_hooks_are_installed_once():
                 "import mxnet.gluon.trainer as t\n"
                 "a = mx.kv.create('slimgc'); f = t.Trainer._allreduce_grads\n"
                 "b = mx.kv.create('slimgc'); print(f is t.Trainer._allreduce_grads)\n"
-                "from slimgc_mx import mxnet_hooks; mxnet_hooks.register()\n"
+                "from slimgc_mx.mxnet import hooks; hooks.register()\n"
                 "import mxnet.model as m, mxnet.module.module as mm\n"
                 "print(m._create_kvstore is mm._create_kvstore is t._create_kvstore, "
                 "m._create_kvstore.wrapped.__module__)")

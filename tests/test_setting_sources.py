@@ -85,7 +85,7 @@ def test_notice_goes_to_stderr_without_logging_and_to_the_logger_with_it(capsys,
 def test_the_kvstore_applies_the_rule_to_compression_params(monkeypatch, capsys):
     """Trainer's compression_params arrive after the store read the environment."""
     pytest.importorskip("mxnet")
-    from slimgc_mx.kvstore import SlimGC
+    from slimgc_mx.mxnet.kvstore import SlimGC
     monkeypatch.setenv("SLIMGC_THRESHOLD", "0.3")
     monkeypatch.setenv("SLIMGC_BACKUP", "off")
     kv = SlimGC()

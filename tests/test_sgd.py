@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import training_helpers as th
-from slimgc_mx import codecs, sgd
-from slimgc_mx.update import clone_optimizer
+from slimgc_mx import codecs
+from slimgc_mx.mxnet import sgd
+from slimgc_mx.mxnet.update import clone_optimizer
 from slimgc_mx.codecs.base import kernels
-from slimgc_mx.sgd import SGDKernel
+from slimgc_mx.mxnet.sgd import SGDKernel
 
 
 @pytest.mark.parametrize("clip", [-1.0, 0.7])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import training_helpers as th
-from slimgc_mx.update import GlobalUpdate
+from slimgc_mx.mxnet.update import GlobalUpdate
 
 SIZE = 50
 #: Two keys, two steps. With backup a key's next push waits only for its own last update,

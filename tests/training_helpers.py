@@ -7,7 +7,7 @@ import numpy as np
 from mxnet import autograd, gluon
 
 import slimgc_mx
-from slimgc_mx.kvstore import SlimGC
+from slimgc_mx.mxnet.kvstore import SlimGC
 from slimgc_mx.mxnet.buffers import Buffer
 from thread_workers import in_threads  # noqa: F401  (tests call th.in_threads)
 

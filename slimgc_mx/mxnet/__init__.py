@@ -1,2 +1,4 @@
-"""MXNet's adapter: what the engine reaches of MXNet, through the backend protocol
-(docs/backend.md). `framework.MXNetFramework` is the aggregator's side of it."""
+"""MXNet's adapter: the only modules of the package that import MXNet, reaching the
+framework-free engine through the backend protocol (docs/backend.md). `kvstore.SlimGC` is
+the store, `hooks` registers it, `framework.MXNetFramework` is the aggregator's side.
+Importing this package alone imports nothing; its modules import MXNet."""

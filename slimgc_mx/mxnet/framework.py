@@ -9,7 +9,7 @@ import numpy as np
 
 from .buffers import ArrayInPlace, ArrayOps, Buffer, LayoutError, copy_array
 from .engine import EngineNotifier
-from ..update import GlobalUpdate, LocalUpdater, check_loc_optimizer, optimizer_settings
+from .update import GlobalUpdate, LocalUpdater, check_loc_optimizer, optimizer_settings
 
 
 class MXNetFramework:
@@ -31,7 +31,7 @@ class MXNetFramework:
     @staticmethod
     def device_codec(codec):
         """The codec on the training thread (offload off): NDArray ops, or the CPU kernel."""
-        from ..device import DeviceCodec, InlineCodec
+        from .device import DeviceCodec, InlineCodec
         return DeviceCodec(codec) if DeviceCodec.supports(codec) else InlineCodec(codec)
 
     @staticmethod

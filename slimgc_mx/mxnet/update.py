@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
-from . import sgd, sgd_rule
-from .codecs import OptimizerView
-from .mxnet.buffers import copy_array
+from .. import sgd_rule
+from ..codecs import OptimizerView
+from . import sgd
+from .buffers import copy_array
 
 
 @dataclass

@@ -18,8 +18,8 @@ import math
 import mxnet as mx
 import numpy as np
 
-from .codecs.base import check_num_workers, raise_nonfinite
-from .codecs.lanes import LaneCodec
+from ..codecs.base import check_num_workers, raise_nonfinite
+from ..codecs.lanes import LaneCodec
 
 #: Largest finite float32: |c| <= FLT_MAX is false exactly for NaN and +-Inf (as in the kernels).
 FLT_MAX = float(np.finfo(np.float32).max)

@@ -4,7 +4,7 @@ Module.fit, or mx.kv.create.
 A thin adapter: it turns MXNet's calling conventions (keys or lists of keys, per-device
 value lists, `out`, priorities, the Updater that Trainer reads back) into calls on an
 aggregator.Aggregator, which holds SlimGC's data path. Registered with MXNet by
-mxnet_hooks.register(). Its semantics are dist_sync's: without an optimizer a push
+hooks.register(). Its semantics are dist_sync's: without an optimizer a push
 makes the sum over workers the key's value; with one, the updated weights.
 """
 import logging
@@ -12,10 +12,11 @@ import logging
 import mxnet as mx
 from mxnet.kvstore import KVStoreBase
 
-from . import checkpoint, codecs, env, mxnet_hooks, shutdown
-from .aggregator import Aggregator, check_momentum, report
-from .config import SlimGCConfig
-from .transport import create_transport
+from .. import checkpoint, codecs, env, shutdown
+from ..aggregator import Aggregator, check_momentum, report
+from ..config import SlimGCConfig
+from ..transport import create_transport
+from . import hooks
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class SlimGC(KVStoreBase):
         self._transport = transport
         self._agg = None  # Aggregator, built when the first key is initialized
         self._optimizer = None  # the Trainer's optimizer (it sets lr / rescale_grad on it)
-        mxnet_hooks.install()
+        hooks.install()
         shutdown.track(self)
 
     # -- KVStoreBase properties ------------------------------------------------------------

@@ -16,9 +16,9 @@ from functools import partial
 import mxnet as mx
 import numpy as np
 
-from . import sgd_rule
-from .env import check_num_threads
-from .mxnet.buffers import Buffer, wait_to_write
+from .. import sgd_rule
+from ..env import check_num_threads
+from .buffers import Buffer, wait_to_write
 
 
 def supports(optimizer):
