@@ -12,7 +12,7 @@ SGD); the training thread does not wait for it: a write hold in MXNet's engine
 makes the next forward pass wait instead, as MXNet's own kvstore does.
 
 The state machine knows nothing of a framework: it keeps host arrays (backend.HostArray)
-and reaches the framework's arrays through `arrays` (backend.Arrays: transport.ArrayOps for
+and reaches the framework's arrays through `arrays` (backend.Arrays: mxnet.buffers.ArrayOps for
 MXNet, transport.HostArrays for plain NumPy), so it runs and is tested on any arrays.
 """
 import threading
