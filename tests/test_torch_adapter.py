@@ -53,3 +53,24 @@ def test_every_codec_trains_and_ranks_agree(tmp_path, mode):
         assert r0["digest"] == ranks[1][name]["digest"], name
         assert r0["compressed"] > 0, name
         assert r0["last"] < 0.75 * r0["first"], (name, r0)
+
+
+@pytest.mark.parametrize("codec,backup", [("2bit", "backup"), ("powersgd", "nobackup"),
+                                          ("adam", "backup")])
+def test_state_dict_round_trip_resumes_bitwise(tmp_path, codec, backup):
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    straight.mkdir(), resumed.mkdir()
+    run_ok("resume.py", straight, "straight", codec, backup)
+    run_ok("resume.py", resumed, "resumed", codec, backup)
+    a, b = results(straight, "straight"), results(resumed, "resumed")
+    assert a[0]["weights"] == b[0]["weights"] and a[1]["weights"] == b[1]["weights"]
+
+
+def test_restart_drill_ends_with_the_uninterrupted_weights(tmp_path):
+    straight, killed = tmp_path / "a", tmp_path / "b"
+    straight.mkdir(), killed.mkdir()
+    run_ok("restart.py", straight, "straight")
+    run_ok("restart.py", killed, "kill", extra=("--max-restarts", "1"))
+    a, b = results(straight, "restart"), results(killed, "restart")
+    assert b[0]["attempt"] == 1  # the job did restart
+    assert a[0]["weights"] == b[0]["weights"] == b[1]["weights"]

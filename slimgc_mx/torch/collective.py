@@ -6,8 +6,8 @@ second round). So every exchange is announced by the training thread when it is 
 (Transport.announce: the same order on every rank) and one issuing thread starts them in
 that order as each is handed over, asynchronously; the rest of the engine waits on a Work.
 Sums of lanes are float64 sums of integers below 2**53 (exact, as on MXNet's servers);
-gathers are allgathers; the training thread's own collectives (broadcast, small
-allgathers) use a second group so they never interleave with the pipeline's.
+gathers are allgathers. The training thread's own collectives (broadcast, small allgathers,
+AMP's agreement) go through the same issuing thread, announced where they are called.
 """
 import collections
 import datetime
@@ -18,6 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..transport.base import TransferHandle, Transport
+
+
+#: The wire key of the training thread's own collectives (never a key of the engine's).
+_SYNC = ("training thread",)
 
 
 class TorchWork(TransferHandle):
@@ -49,7 +53,8 @@ class TorchWork(TransferHandle):
 
 
 class TorchTransport(Transport):
-    """One rank's collectives over two Gloo groups of all ranks (pipeline, training thread)."""
+    """One rank's collectives over one Gloo group of all ranks: the job's default group when
+    it is Gloo (a group made after it would not survive torchrun's restarts), else a new one."""
 
     kind = "torch.distributed (gloo)"
 
@@ -59,11 +64,11 @@ class TorchTransport(Transport):
         self.rank = dist.get_rank()
         self.num_workers = dist.get_world_size()
         self.timeout = timeout
-        span = datetime.timedelta(seconds=timeout)
-        # Our own Gloo groups: the job's default group may be NCCL, and the pipeline's
-        # order must not interleave with the training thread's collectives.
-        self._group = dist.new_group(backend="gloo", timeout=span)
-        self._sync = dist.new_group(backend="gloo", timeout=span)
+        if dist.get_backend() == "gloo":
+            self._group = dist.group.WORLD
+        else:  # NCCL cannot sum host lanes
+            self._group = dist.new_group(backend="gloo",
+                                         timeout=datetime.timedelta(seconds=timeout))
         self._cond = threading.Condition()
         self._order = collections.deque()  # (wire key, occurrence) in the announced order
         self._announced = collections.Counter()
@@ -125,22 +130,38 @@ class TorchTransport(Transport):
     def gather(self, wire_key, send, recv, priority=0):
         mine = torch.from_numpy(send.for_read())
         slots = torch.from_numpy(recv.for_write())[:mine.numel() * self.num_workers]
-        return self._hand(wire_key, TorchWork(recv, lambda group: dist.all_gather_into_tensor(
+        return self._hand(wire_key, TorchWork(recv, lambda group: dist.all_gather_single(
             slots, mine, group=group, async_op=True)))
 
-    # -- the training thread's collectives ------------------------------------------------
+    # -- the training thread's collectives, in its order among the pipeline's --------------
+    def run(self, start):
+        """Issue `start(group)` (a collective with async_op=True) after every exchange
+        announced before it, and wait for it: for the training thread's own collectives."""
+        self.announce([_SYNC])
+        self._hand(_SYNC, TorchWork(None, start)).wait()
+
     def broadcast(self, wire_key, buf):
-        dist.broadcast(torch.from_numpy(buf.for_write()), src=0, group=self._sync)
+        tensor = torch.from_numpy(buf.for_write())
+        self.run(lambda group: dist.broadcast(tensor, src=0, group=group, async_op=True))
+
+    def broadcast_tensors(self, tensors):
+        """Rank 0's values of `tensors` (module buffers, on any device) on every rank."""
+        for t in tensors:
+            self.run(lambda group, t=t: dist.broadcast(t, src=0, group=group, async_op=True))
+
+    def any(self, flag):
+        """True on every rank when `flag` is true on any (AMP's inf/NaN agreement)."""
+        t = torch.tensor([1.0 if flag else 0.0])
+        self.run(lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group,
+                                               async_op=True))
+        return bool(t.item() > 0)
 
     def allgather(self, values):
         mine = torch.from_numpy(np.asarray(values, dtype=np.float64).ravel().copy())
         out = torch.zeros(self.num_workers * mine.numel(), dtype=torch.float64)
-        dist.all_gather_into_tensor(out, mine, group=self._sync)
+        self.run(lambda group: dist.all_gather_single(out, mine, group=group,
+                                                           async_op=True))
         return out.numpy().reshape(self.num_workers, -1)
-
-    def sync_group(self):
-        """The group of the training thread's collectives (buffers, AMP's agreement)."""
-        return self._sync
 
     def close(self, timeout=None):
         with self._cond:

@@ -169,8 +169,8 @@ class TorchUpdate:
     def local_step(self, index, glo, param, grad):
         """loc_buf (the parameter) <- one step of the same rule from glo_buf with this
         worker's gradient, reading the global state and writing none of it."""
-        opt = self._shadow.get(index)
-        state = opt.state[opt.param_groups[0]["params"][0]] if opt is not None else {}
+        opt = self.shadow(index, glo)  # made here when the local step comes first (a resume)
+        state = opt.state[opt.param_groups[0]["params"][0]]
         local = self._local.get(index)
         if local is None:
             group = {k: v for k, v in self.optimizer.param_groups[self._group_of[index]].items()

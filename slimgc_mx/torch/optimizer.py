@@ -125,11 +125,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return named
 
     def _broadcast_buffers(self):
-        if not self._buffers or self._transport.num_workers == 1:
-            return
-        group = self._transport.sync_group()
-        for b in self._buffers:
-            dist.broadcast(b.data, src=0, group=group)
+        if self._buffers and self._transport.num_workers > 1:
+            self._transport.broadcast_tensors([b.data for b in self._buffers])
 
     # -- the step --------------------------------------------------------------------------
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf
@@ -161,11 +158,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 found_inf = torch.zeros_like(found_inf)
                 for g in grads:
                     torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv)
-            anywhere = found_inf.detach().to("cpu", torch.float32).reshape(1).clone()
-            if self._transport.num_workers > 1:
-                dist.all_reduce(anywhere, op=dist.ReduceOp.MAX,
-                                group=self._transport.sync_group())
-            if anywhere.item() > 0:
+            mine = bool(found_inf.detach().cpu().item() > 0)
+            if self._transport.any(mine) if self._transport.num_workers > 1 else mine:
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
         for (name, p), g in zip(self._named, grads):
             self._agg.push(name, [g], [p])
@@ -200,15 +194,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         CTTab's decision), as tensors and plain values: torch.save/torch.load(weights_only=True)
         keep it without pickling code. It flushes first (the model gets the global weights)."""
         self.flush()
-        return to_tensors(checkpoint.state(self._agg))
+        state = to_tensors(checkpoint.state(self._agg))
+        state["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.param_groups]  # lr as a scheduler left it
+        return state
 
     def load_state_dict(self, state_dict):
         """Restore state_dict(); the model gets the saved global weights."""
-        state = from_tensors(state_dict)
+        state = dict(state_dict)
+        groups = state.pop("param_groups", None)
+        if groups is None or len(groups) != len(self.param_groups):
+            raise ValueError("state_dict holds %s param groups; this optimizer has %d: a state "
+                             "of another optimizer" % (None if groups is None else len(groups),
+                                                       len(self.param_groups)))
+        state = from_tensors(state)
         self._agg.send_pending()
         self._agg.pipeline.wait_idle(self._agg.config.timeout)
         checkpoint.check(state, self._agg, "state_dict")
         checkpoint.load(state, self._agg, "state_dict")
+        for group, saved in zip(self.param_groups, groups):
+            group.update(saved)
         for name, p in self._named:
             with torch.no_grad():
                 p.copy_(self._agg.backup.glo_buf(name).view(p.shape))
