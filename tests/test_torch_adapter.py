@@ -74,3 +74,26 @@ def test_restart_drill_ends_with_the_uninterrupted_weights(tmp_path):
     a, b = results(straight, "restart"), results(killed, "restart")
     assert b[0]["attempt"] == 1  # the job did restart
     assert a[0]["weights"] == b[0]["weights"] == b[1]["weights"]
+
+
+def test_amp_step_with_inf_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    run_ok("amp.py", tmp_path)
+    ranks = results(tmp_path, "amp")
+    h0, h1 = ranks[0]["history"], ranks[1]["history"]
+    assert h0 == h1  # every step taken or skipped alike
+    assert h0[3] == h0[2] and h0[4] != h0[3]  # step 3 skipped, the next one taken
+    assert ranks[1]["scales"][3] < ranks[1]["scales"][2]  # the scaler that saw inf backs off
+
+
+@pytest.mark.parametrize("case,words", [
+    ("options", ["threshold"]),
+    ("optimizer", ["optimizer settings", "param group 0 lr="]),
+    ("model", ["shape"]),
+    ("nan", ["3.weight", "rank 1", "NaN"]),
+])
+def test_bad_jobs_fail_on_every_rank_with_the_reason(tmp_path, case, words):
+    code, text = torchrun("errors.py", tmp_path, case)
+    for r in results(tmp_path, "errors"):
+        assert r["error"] is not None, (case, text[-2000:])
+        for word in words:
+            assert word in r["error"], (case, r["error"])

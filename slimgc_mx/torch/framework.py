@@ -292,10 +292,13 @@ class TorchFramework:
         if loc_optimizer is not None:
             raise ValueError("loc_optimizer=%r: the PyTorch adapter's local update is the "
                              "global rule; leave loc_optimizer unset" % (loc_optimizer,))
-        groups = StepSettings.of(optimizer).groups
-        return {"optimizer": "%s.%s" % (type(optimizer).__module__, type(optimizer).__name__),
-                "groups": repr(groups), "group_sizes": repr([len(g["params"])
-                                                            for g in optimizer.param_groups])}
+        settings = {"optimizer": "%s.%s" % (type(optimizer).__module__,
+                                            type(optimizer).__name__)}
+        for i, (group, values) in enumerate(zip(optimizer.param_groups,
+                                                StepSettings.of(optimizer).groups)):
+            settings["param group %d size" % i] = len(group["params"])
+            settings.update(("param group %d %s" % (i, k), v) for k, v in values)
+        return settings
 
     def global_update(self, optimizer, num_threads):
         return TorchUpdate(optimizer, self.group_of, self.num_workers)
