@@ -1,0 +1,89 @@
+"""The PyTorch adapter's bad input, in one process (no process group: a job of one)."""
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import slimgc_mx.torch as slimgc  # noqa: E402
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def make(model=None, **options):
+    model = model or net()
+    return model, slimgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              model, **options)
+
+
+def test_import_needs_no_mxnet():
+    code = ("import sys, slimgc_mx.torch; "
+            "assert 'mxnet' not in sys.modules, sorted(m for m in sys.modules if 'mxnet' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_ddp_wrapped_model_is_refused_naming_the_fix():
+    model = net()
+    wrapped = torch.nn.parallel.DistributedDataParallel.__new__(
+        torch.nn.parallel.DistributedDataParallel)
+    with pytest.raises(TypeError, match="model.module"):
+        slimgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), wrapped)
+
+
+def test_unknown_codec_and_option():
+    with pytest.raises(ValueError, match="unknown compressor '3bit'"):
+        make(compression="3bit")
+    with pytest.raises(ValueError, match="ratoi"):
+        make(compression="topk", ratoi=0.1)
+
+
+def test_parameters_the_optimizer_lacks_or_float64():
+    model = net()
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        slimgc.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), model)
+    with pytest.raises(TypeError, match="float32"):
+        make(net().double())
+
+
+def test_missing_and_sparse_gradients():
+    model, opt = make(compression="none")
+    with pytest.raises(RuntimeError, match="has no gradient"):
+        opt.step()
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    model, opt = make(emb, compression="none")
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradient"):
+        opt.step()
+
+
+def test_dgc_refuses_the_optimizers_momentum():
+    model = net()
+    with pytest.raises(ValueError, match="momentum must be 0"):
+        slimgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    model, compression="dgc")
+
+
+def test_flush_takes_a_distributed_optimizer():
+    with pytest.raises(TypeError, match="DistributedOptimizer"):
+        slimgc.flush(torch.optim.SGD(net().parameters(), lr=0.1))
+
+
+def test_a_job_of_one_trains_and_state_dict_loads_into_another_optimizer_class_refused():
+    model, opt = make(compression="2bit", comm_threshold=0, warmup_steps=2)
+    x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    state = opt.state_dict()
+    other = net()
+    adam = slimgc.DistributedOptimizer(torch.optim.Adam(other.parameters()), other,
+                                       compression="2bit", comm_threshold=0, warmup_steps=2)
+    with pytest.raises(ValueError, match="optimizer"):
+        adam.load_state_dict(state)
+    opt.close()
+    adam.close()
