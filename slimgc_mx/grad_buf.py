@@ -120,6 +120,14 @@ class KeyBuffers:
     def label(self):
         return "key #%d" % self.index
 
+    def host_residual(self):
+        """The residual buffer, made current first where a device codec keeps the residual on
+        its device (a CUDA model's offload=False): before the host reads or writes it."""
+        to_host = getattr(self.device, "residual_to_host", None)
+        if to_host is not None:
+            to_host(self)
+        return self.residual
+
 
 def _round_sets(classes, make_buffer):
     """WireRounds per slot class; with several classes, round i's buffers of every class are

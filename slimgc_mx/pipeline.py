@@ -420,7 +420,7 @@ def _flush_residual(b):
     feedback it kept goes out with this full-precision push (codecs/feedback.py); further
     per-worker state after the residual (dgc's velocity) starts again from zero."""
     grad = b.grad_buf.for_write()
-    memory = b.residual.for_write()
+    memory = b.host_residual().for_write()
     np.add(grad, memory[:grad.size], out=grad)
     memory.fill(0)
     b.residual_pending = False

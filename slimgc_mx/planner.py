@@ -381,7 +381,8 @@ class Planner:
         for key, b in self.keys.items():
             compressed = b.codec is not None
             out[key] = {"step": self.steps[key],
-                        "residual": b.residual.for_read().copy() if compressed else None,
+                        "residual": b.host_residual().for_read().copy() if compressed
+                        else None,
                         "codec": b.codec.state_dict() if compressed else None}
         return out
 
@@ -414,7 +415,7 @@ class Planner:
             b = self.keys[key]
             self.steps[key] = ks["step"]
             if b.codec is not None:
-                np.copyto(b.residual.for_write(), ks["residual"])
+                np.copyto(b.host_residual().for_write(), ks["residual"])
                 b.codec.load_state_dict(ks["codec"])
 
 
