@@ -175,6 +175,7 @@ def _skip_reason():
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces need Linux")
 def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
+    pytest.importorskip("mxnet")
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)

@@ -5,7 +5,6 @@ import math
 import numpy as np
 import pytest
 
-import training_helpers as th
 from slimgc_mx import codecs
 from slimgc_mx.codecs import fourbit
 from slimgc_mx.codecs.lanes import lane_geometry
@@ -125,6 +124,8 @@ def _old_wire_bytes(sizes, n):
 def test_kvstore_trains_bitwise_equal_and_pushes_fewer_bytes(monkeypatch, mode):
     """Two worker threads; the group is steered through 1, 2, 3 by the agreed mean, so every
     geometry is exchanged. Weights are bitwise equal, bytes below the L = 181 wire's."""
+    pytest.importorskip("mxnet")
+    import training_helpers as th
     seen = []
 
     def cycle(mean):
@@ -155,6 +156,9 @@ def test_kvstore_trains_bitwise_equal_and_pushes_fewer_bytes(monkeypatch, mode):
 def test_float32_lanes_carry_every_groups_geometry(monkeypatch):
     """lane_dtype float32: each declared round has the float32 layout of its own geometry,
     so pushes of every group join back exactly: the same weights as float64 lanes."""
+    pytest.importorskip("mxnet")
+    import training_helpers as th
+
     def cycle(mean):
         return (1, 2, 3)[int(mean * 1e6) % 3]
 

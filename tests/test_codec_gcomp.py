@@ -277,11 +277,11 @@ def test_bad_options_name_the_option(option, bad):
 
 
 # ---------------------------------------------------------------- the kvstore
-mx = pytest.importorskip("mxnet")
 
 
 @pytest.mark.parametrize("offload", [True, False])
 def test_allreduce_over_threads_gathers_and_decodes_like_the_reference(offload):
+    pytest.importorskip("mxnet")
     import training_helpers as th
     from slimgc_mx.codecs.rng import key_seed
     n, size, steps = 3, 30000, 4
@@ -308,6 +308,7 @@ def test_allreduce_over_threads_gathers_and_decodes_like_the_reference(offload):
 def test_training_hands_the_optimizer_view_to_the_codec(monkeypatch):
     """SGD with momentum over threads: workers end bitwise equal; every encode saw a view
     of w_i and the momentum (the weights before the step's update)."""
+    pytest.importorskip("mxnet")
     import training_helpers as th
     seen = []
     encode = gcomp.GComp.encode
@@ -333,6 +334,7 @@ def test_training_hands_the_optimizer_view_to_the_codec(monkeypatch):
 def test_the_view_names_mxnets_update(name):
     """E*w + B*m is the update without this gradient, D*g the part the gradient adds
     (what delta divides), for MXNet's SGD and NAG with momentum and weight decay."""
+    mx = pytest.importorskip("mxnet")
     from slimgc_mx.mxnet.update import optimizer_view
     rng = np.random.default_rng(3)
     w = rng.standard_normal(100).astype(np.float32)
@@ -361,6 +363,7 @@ def test_the_gather_route_on_mxnet_servers(tmp_path, bound):
     """2 workers and 2 stock servers (bound 64: every slot split over both): slots change
     size from push to push, each class its own row_sparse key; a stale or shifted row would
     fail decode's checks. Workers end bitwise equal; each pulls both slots."""
+    pytest.importorskip("mxnet")
     import json
     import sys
     from test_distributed import _launch

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _launch(script, out, args=(), options=(), timeout=240):
+    pytest.importorskip("mxnet")
     argv = [sys.executable, "-m", "slimgc_mx.launch", "-n", "2", "-s", "2", "--launcher",
             "local"] + list(options) + ["--", sys.executable, script, "--out", str(out)] + list(args)
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -90,6 +91,7 @@ print("sum ok on rank", kv.rank)
 
 
 def test_a_script_that_does_not_import_slimgc_mx_runs_through_the_runner(tmp_path):
+    pytest.importorskip("mxnet")
     script = tmp_path / "train_example.py"
     script.write_text(EXAMPLE_LIKE)
     argv = [sys.executable, "-m", "slimgc_mx.launch", "-n", "2", "-s", "1", "--",

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.multiprocess
 def test_any_killed_node_is_survived_with_the_same_weights(tmp_path):
+    pytest.importorskip("mxnet")
     seed = random.SystemRandom().randrange(2**31)
     out = tmp_path / "faults"
     r = subprocess.run([sys.executable, "-m", "slimgc_mx.bench", "faults", "--rng-seed",

@@ -542,6 +542,7 @@ def test_real_mxnet_dist_sync_job(job):
 @pytest.mark.multiprocess
 def test_netns_launcher_runs_a_job_on_rate_limited_links(job):
     """--launcher netns: every process in its own namespace; the namespaces are gone after."""
+    pytest.importorskip("mxnet")
     from slimgc_mx.launch import netns
     ok, why = netns.netns_available()
     if not ok:
