@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "codecs": "slimgc_mx.bench.codecs",
     "cluster": "slimgc_mx.bench.cluster",
     "faults": "slimgc_mx.bench.faults",
+    "gpu": "slimgc_mx.bench.gpu",
     "passes": "slimgc_mx.bench.passes",
     "scale": "slimgc_mx.bench.scale",
 }

@@ -1,0 +1,836 @@
+"""GPU benchmark of the PyTorch adapter: peak memory, samples/s and step composition.
+
+Issue 32's Fig. 14 (peak GPU memory and samples/s of DDP, its hooks, GPU 2bit with error
+feedback and SlimGC) and Fig. 12/13 (a step's compute, copies, encode, transfer and overlap
+for all-GPU compression, all-CPU offload and the CTTab's placement, with and without
+backup). Each configuration runs in fresh processes (P ranks sharing one device over a Gloo
+group on loopback), so peak memory never leaks from one into the next; a configuration that
+fails or hangs is recorded and the next one runs. The measured compute and codec times are
+projected onto 10 and 100 Gbit/s links with the pieces of the cost model (scale.py).
+
+torch is imported lazily: `python -m slimgc_mx.bench` keeps working without it.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+
+DESCRIPTION = "PyTorch on a GPU: peak memory, samples/s, step composition (DDP vs SlimGC)"
+
+#: config -> what it runs
+CONFIGS = OrderedDict([
+    ("no-ddp", "the model alone, torch.optim.SGD, no communication"),
+    ("ddp", "DistributedDataParallel, float32 allreduce (Gloo)"),
+    ("ddp-fp16", "DDP + fp16_compress_hook"),
+    ("ddp-powersgd", "DDP + PowerSGD hook, rank 4, one bucket"),
+    ("ddp-gpu-2bit", "DDP + a 2bit hook with error feedback on the GPU (residual per bucket)"),
+    ("slimgc-offload", "SlimGC 2bit, every tensor compressed on the CPU (offload), backup"),
+    ("slimgc-gpu", "SlimGC 2bit, every tensor compressed on the gradient's device, backup"),
+    ("slimgc-placement", "SlimGC 2bit, the CTTab's placement (placement='auto'), backup"),
+    ("slimgc-offload-nobackup", "slimgc-offload without model backup"),
+    ("slimgc-gpu-nobackup", "slimgc-gpu without model backup"),
+    ("slimgc-placement-nobackup", "slimgc-placement without model backup"),
+])
+MODELS = ("vgg16", "resnet50", "tiny")
+#: (input side, classes) per model
+INPUTS = {"vgg16": (224, 1000), "resnet50": (224, 1000), "tiny": (32, 10)}
+LINKS = ("10gbit", "100gbit")
+GIB = float(1 << 30)
+#: SlimGC's settings shared by its configs: 2bit, SGD with momentum
+LR, MOMENTUM = 0.01, 0.9
+POWERSGD_RANK = 4
+
+
+# ---------------------------------------------------------------- arguments
+
+def _list(text, valid, what):
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in valid]
+    if bad or not items:
+        raise argparse.ArgumentTypeError("unknown %s %s; valid: %s" % (
+            what, ", ".join(map(repr, bad)) or "(none given)", ", ".join(valid)))
+    return items
+
+
+def _counts(text):
+    """A comma list of integers >= 1 (--procs, --project-workers)."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("expected counts >= 1 separated by commas, e.g. 1 or "
+                                         "1,2; got %r" % text)
+    return values
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError("expected an integer >= 1, got %r" % text)
+    return value
+
+
+def _count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError("expected an integer >= 0, got %r" % text)
+    return value
+
+
+def parse_args(argv, prog):
+    p = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION + ". Each config runs in fresh processes; "
+        "results.json, table.md and fig14.png go to --out.",
+        epilog="configs:\n" + "\n".join("  %-26s %s" % kv for kv in CONFIGS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=lambda t: _list(t, MODELS, "model"), default=["vgg16"],
+                   help="vgg16, resnet50 (torchvision, random weights, 224x224) or tiny (a "
+                        "small conv net on 32x32, for CPU smoke tests); a comma list runs "
+                        "each (default vgg16)")
+    p.add_argument("--batch", type=_positive, default=32, help="samples per rank (default 32)")
+    p.add_argument("--steps", type=_positive, default=30,
+                   help="timed steps after the warm-up (default 30)")
+    p.add_argument("--warmup", type=_count, default=10,
+                   help="untimed steps first; also the CTTab's warm-up of the placement "
+                        "configs (at least 2 there; default 10)")
+    p.add_argument("--configs", type=lambda t: _list(t, list(CONFIGS), "config"),
+                   default=list(CONFIGS), help="comma list (default: all, listed below)")
+    p.add_argument("--procs", type=_counts, default=[1],
+                   help="ranks sharing the device over a Gloo group on loopback; a comma "
+                        "list runs each (default 1)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where the model runs (default cuda; every rank on GPU 0)")
+    p.add_argument("--timeout", type=_positive, default=240,
+                   help="seconds one config may take before its ranks are killed (240)")
+    p.add_argument("--project-workers", type=_counts,
+                   default=[8, 16], help="worker counts of the projection (default 8,16)")
+    p.add_argument("--out", default=os.path.join("results", "gpu"),
+                   help="folder of results.json, table.md and fig14.png (default results/gpu)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- the orchestrator
+
+def machine_info(device):
+    """GPU name, torch/CUDA versions and the host, for the record."""
+    import torch
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "host": platform.node(), "cpus": os.cpu_count(),
+            "device": device}
+    try:
+        import torchvision
+        info["torchvision"] = torchvision.__version__
+    except ImportError:
+        info["torchvision"] = None
+    if device == "cuda":
+        # nvidia-smi, not torch.cuda: this process must not hold a CUDA context
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                "--format=csv,noheader"], capture_output=True, text=True,
+                               timeout=30)
+            info["gpu"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, IndexError):
+            info["gpu"] = None
+    return info
+
+
+def placement_support():
+    """None when DistributedOptimizer takes placement='auto', else why not (one rank, CPU)."""
+    import torch
+    try:
+        import slimgc_mx.torch as slimgc
+    except ImportError as exc:
+        return "slimgc_mx.torch does not import: %s" % exc
+    model = torch.nn.Linear(4, 2)
+    env = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
+    try:
+        opt = slimgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model,
+                                          compression="2bit", placement="auto")
+    except (TypeError, ValueError) as exc:
+        return "DistributedOptimizer rejects placement='auto': %s" % exc
+    finally:
+        os.environ.update(env)
+    opt.close()
+    return None
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path, limit=1500):
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[-limit:].strip()
+
+
+def _kill(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the rank and children
+            except OSError:
+                pass
+    for proc in procs:
+        proc.wait()
+
+
+def run_config(config, model, procs, args, work):
+    """One config at `procs` ranks, in fresh processes: a record with each rank's result,
+    or the error / timeout that stopped it."""
+    spec = {"config": config, "model": model, "batch": args.batch, "steps": args.steps,
+            "warmup": args.warmup, "device": args.device}
+    folder = tempfile.mkdtemp(prefix="%s-%s-%d-" % (model, config, procs), dir=work)
+    spec_path = os.path.join(folder, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    port = _free_port()
+    # the ranks import the same slimgc_mx as this process
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    running, logs = [], []
+    start = time.time()
+    for rank in range(procs):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1",
+                   PYTHONPATH=path)
+        log = os.path.join(folder, "rank%d.log" % rank)
+        logs.append(log)
+        with open(log, "w") as out:
+            running.append(subprocess.Popen(
+                [sys.executable, "-m", "slimgc_mx.bench.gpu", spec_path,
+                 os.path.join(folder, "rank%d.json" % rank)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    record = {"config": config, "model": model, "procs": procs, "status": "ok", "error": None}
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in running]
+        if all(c is not None for c in codes):
+            break
+        now = time.time()
+        if now - start > args.timeout:
+            record.update(status="timeout", error="timed out after %d s (--timeout); ranks "
+                          "killed" % args.timeout)
+            break
+        if any(c not in (None, 0) for c in codes):
+            failed_at = failed_at or now
+            if now - failed_at > 10:  # the others wait on the failed rank's collectives
+                break
+        time.sleep(0.2)
+    _kill(running)
+    record["wall_s"] = round(time.time() - start, 1)
+    ranks = []
+    for rank in range(procs):
+        path = os.path.join(folder, "rank%d.json" % rank)
+        if os.path.exists(path):
+            with open(path) as f:
+                ranks.append(json.load(f))
+    skipped = [r["skipped"] for r in ranks if r.get("skipped")]
+    if record["status"] == "ok" and skipped:
+        record.update(status="skipped", error=skipped[0])
+    elif record["status"] == "ok" and (len(ranks) < procs
+                                       or any(p.returncode != 0 for p in running)):
+        bad = next((r for r, p in enumerate(running) if p.returncode != 0), 0)
+        record.update(status="error", error="rank %d exited with %s: %s" % (
+            bad, running[bad].returncode, _tail(logs[bad])))
+    elif record["status"] == "timeout":
+        record["error"] += ": " + _tail(logs[0], 600)
+    record["ranks"] = ranks if record["status"] == "ok" else []
+    record.update(summarize(record["ranks"]))
+    return record
+
+
+def summarize(ranks):
+    """The config's numbers over its ranks: mean ms/step, total samples/s, max peak."""
+    if not ranks:
+        return {}
+    out = {"ms_step": statistics.mean(r["ms_step"] for r in ranks),
+           "samples_per_s": sum(r["samples_per_s"] for r in ranks),
+           "peak_gib": max(r["peak_gib"] for r in ranks) if ranks[0]["peak_gib"] is not None
+           else None}
+    for key in ("ms_fwd_bwd", "ms_opt_step"):
+        out[key] = statistics.mean(r[key] for r in ranks)
+    if "composition" in ranks[0]:
+        out["composition"] = {k: statistics.mean(r["composition"][k] for r in ranks)
+                              for k in ranks[0]["composition"]}
+    return out
+
+
+def _skip_record(config, model, procs, reason):
+    return {"config": config, "model": model, "procs": procs, "status": "skipped",
+            "error": reason, "ranks": [], "wall_s": 0.0}
+
+
+def main(argv=None, prog="python -m slimgc_mx.bench gpu"):
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    try:
+        import torch
+    except ImportError:
+        print("%s: needs PyTorch (pip install torch); the other bench subcommands do not"
+              % prog, file=sys.stderr)
+        return 2
+    if any(m in ("vgg16", "resnet50") for m in args.model):
+        try:
+            import torchvision  # noqa: F401
+        except ImportError:
+            print("%s: --model vgg16/resnet50 needs torchvision (pip install torchvision), "
+                  "or use --model tiny" % prog, file=sys.stderr)
+            return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("%s: --device cuda, but torch sees no CUDA device; use --device cpu for a "
+              "smoke test" % prog, file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    info = machine_info(args.device)
+    placement = None
+    if any("placement" in c for c in args.configs):
+        placement = placement_support()
+        if placement:
+            print("slimgc-placement skipped: %s" % placement, flush=True)
+    work = tempfile.mkdtemp(prefix="slimgc-bench-gpu-")
+    doc = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "results": []}
+    started = time.time()
+    for model in args.model:
+        for procs in args.procs:
+            for config in args.configs:
+                if "placement" in config and placement:
+                    rec = _skip_record(config, model, procs, placement)
+                else:
+                    rec = run_config(config, model, procs, args, work)
+                doc["results"].append(rec)
+                print(_progress(rec), flush=True)
+                _write_json(doc, args.out)
+    doc["wall_s"] = round(time.time() - started, 1)
+    doc["projection"] = projection(doc["results"], args.project_workers, args.batch)
+    doc["checks"] = checks(doc["results"])
+    _write_json(doc, args.out)
+    table = format_table(doc)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table)
+    print(table)
+    try:
+        plot(doc["results"], os.path.join(args.out, "fig14.png"))
+    except ImportError as exc:
+        print("fig14.png not drawn: %s (pip install matplotlib)" % exc, file=sys.stderr)
+    print("wrote %s" % ", ".join(os.path.join(args.out, n)
+                                 for n in ("results.json", "table.md", "fig14.png")))
+    failed = [r for r in doc["results"] if r["status"] in ("error", "timeout")]
+    return 1 if failed else 0
+
+
+def _write_json(doc, out):
+    path = os.path.join(out, "results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def _progress(rec):
+    head = "%-9s P=%d %-26s" % (rec["model"], rec["procs"], rec["config"])
+    if rec["status"] != "ok":
+        return "%s %s (%.0f s): %s" % (head, rec["status"], rec.get("wall_s", 0),
+                                       (rec["error"] or "").splitlines()[-1][:200]
+                                       if rec["error"] else "")
+    peak = "" if rec["peak_gib"] is None else ", peak %.2f GiB" % rec["peak_gib"]
+    return "%s %.1f ms/step, %.1f samples/s%s (%.0f s)" % (
+        head, rec["ms_step"], rec["samples_per_s"], peak, rec["wall_s"])
+
+
+# ---------------------------------------------------------------- one rank
+
+def build_model(name):
+    """vgg16/resnet50 from torchvision with random weights, or the tiny conv net."""
+    import torch.nn as nn
+    if name not in MODELS:
+        raise ValueError("unknown model %r; valid: %s" % (name, ", ".join(MODELS)))
+    if name == "tiny":
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    import torchvision.models as tvm
+    return getattr(tvm, name)(weights=None)
+
+
+class TwoBitHookState:
+    """State of the GPU 2bit hook: per bucket its error-feedback residual on the bucket's
+    device (and, with the project's TorchDeviceCodec, the codec and its lanes)."""
+
+    def __init__(self, group, world, threshold=0.5):
+        self.group = group
+        self.world = world
+        self.threshold = threshold
+        self.buckets = {}
+        self.kind = None
+        try:
+            from ..torch.device import TorchDeviceCodec
+            self._device_codec = TorchDeviceCodec
+            self.kind = "TorchDeviceCodec (the project's lanes)"
+        except ImportError:
+            self._device_codec = None
+            self.kind = "plain torch ops (int8 levels summed)"
+
+    def entry(self, buf):
+        import torch
+        from .. import codecs
+        e = self.buckets.get(self._key(buf))
+        if e is None or e["residual"].numel() != buf.numel():
+            e = {"residual": torch.zeros_like(buf)}
+            if self._device_codec is not None:
+                e["codec"] = self._device_codec(codecs.create("2bit", threshold=self.threshold))
+                n = e["codec"].codec.lane_count(buf.numel(), self.world)
+                e["lanes"] = torch.empty(n, dtype=torch.float64, device=buf.device)
+            self.buckets[self._key(buf)] = e
+        return e
+
+    @staticmethod
+    def _key(buf):
+        return (buf.device, buf.numel())
+
+
+def gpu_2bit_hook(state, bucket):
+    """DDP comm hook: 2bit with error feedback on the bucket's device; the mean gradient."""
+    import torch.distributed as dist
+    buf = bucket.buffer()
+    e = state.entry(buf)
+    if "codec" in e:
+        codec = e["codec"]
+        codec.encode(buf, e["residual"], state.world, out=e["lanes"])
+        fut = dist.all_reduce(e["lanes"], group=state.group, async_op=True).get_future()
+
+        def decode(f):
+            codec.decode(f.value()[0], buf.numel(), state.world, out=buf)
+            return buf.div_(state.world)
+        return fut.then(decode)
+    return _plain_2bit(state, e, buf)
+
+
+def _plain_2bit(state, e, buf):
+    """The hook without the project's device codec: levels -1/0/+1 of grad + residual at
+    the threshold, summed as int8, residual = what the levels did not send."""
+    import torch
+    import torch.distributed as dist
+    t = state.threshold
+    c = buf + e["residual"]
+    q = (c >= t).to(torch.int8) - (c <= -t).to(torch.int8)
+    torch.sub(c, q.to(c.dtype) * t, out=e["residual"])
+    fut = dist.all_reduce(q, group=state.group, async_op=True).get_future()
+
+    def decode(f):
+        return buf.copy_(f.value()[0].to(buf.dtype)).mul_(t / state.world)
+    return fut.then(decode)
+
+
+def _counting(hook, info):
+    """`hook`, counting DDP's buckets into info['buckets'] (PowerSGD's one bucket checked)."""
+    def counted(state, bucket):
+        info["buckets"] = max(info.get("buckets", 0), bucket.index() + 1)
+        return hook(state, bucket)
+    return counted
+
+
+def _setup(config, model, device, world, warmup):
+    """(the training object whose forward runs, the optimizer, hook info) for a config."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sgd = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ids = [device.index] if device.type == "cuda" else None
+    if config == "no-ddp":
+        return model, sgd, {}
+    if config.startswith("ddp"):
+        params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+        cap = int(params_mb) + 2 if config == "ddp-powersgd" else None
+        ddp = DDP(model, device_ids=ids, bucket_cap_mb=cap)
+        info = {}
+        if config == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif config == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                     start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, _counting(ps.powerSGD_hook, info))
+            info["bucket_cap_mb"] = cap
+        elif config == "ddp-gpu-2bit":
+            state = TwoBitHookState(dist.group.WORLD, world)
+            ddp.register_comm_hook(state, _counting(gpu_2bit_hook, info))
+            info["hook"] = state.kind
+        return ddp, sgd, info
+    import slimgc_mx.torch as slimgc
+    options = {"backup": not config.endswith("-nobackup")}
+    if config.startswith("slimgc-placement"):
+        options.update(placement="auto", comm_threshold="auto", warmup_steps=max(2, warmup))
+    else:
+        options.update(offload=config.startswith("slimgc-offload"), comm_threshold=0)
+    try:
+        opt = slimgc.DistributedOptimizer(sgd, model, compression="2bit", **options)
+    except ImportError as exc:  # offload=False needs the torch device codec
+        raise RuntimeError("%s: the codec on the gradient's device (offload=False) is not "
+                           "available: %s" % (config, exc)) from exc
+    return model, opt, {"options": options}
+
+
+def _sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_ms(model, device, repeats=5):
+    """Median ms of copying every parameter's gradient to pinned host memory and back (the
+    D2H/H2D a step moves when the codec runs on the CPU); a memcpy on the CPU."""
+    import torch
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=device.type == "cuda")
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        host.copy_(flat, non_blocking=True)
+        _sync(device)
+        flat.copy_(host, non_blocking=True)
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_rank(spec):
+    """Train spec's config for warmup + steps on this rank; its result as a dict."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    side, classes = INPUTS[spec["model"]]
+    with torch.device(device):
+        model = build_model(spec["model"])
+        x = torch.randn(spec["batch"], 3, side, side)
+        y = torch.randint(0, classes, (spec["batch"],))
+    config, steps, warmup = spec["config"], spec["steps"], spec["warmup"]
+    try:
+        net, opt, info = _setup(config, model, device, world, warmup)
+    except (TypeError, ValueError) as exc:
+        if "placement" in config:
+            return {"rank": rank, "skipped": "DistributedOptimizer rejects placement='auto': "
+                    "%s" % exc}
+        raise
+    slim = config.startswith("slimgc")
+    before = opt.stats() if slim and warmup == 0 else None
+    step_ms, fb_ms, opt_ms = [], [], []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        _sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            step_ms.append((t2 - t0) * 1e3)
+            fb_ms.append((t1 - t0) * 1e3)
+            opt_ms.append((t2 - t1) * 1e3)
+        if slim and i == warmup - 1:
+            before = opt.stats()
+    flush_ms = None
+    if slim:
+        t0 = time.perf_counter()
+        opt.flush()
+        _sync(device)
+        flush_ms = (time.perf_counter() - t0) * 1e3
+        after = opt.stats()
+    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else None
+    ms = statistics.median(step_ms)
+    out = {"rank": rank, "world": world, "ms_step": ms, "samples_per_s": spec["batch"] * 1e3 / ms,
+           "ms_fwd_bwd": statistics.median(fb_ms), "ms_opt_step": statistics.median(opt_ms),
+           "ms_step_mean": statistics.mean(step_ms), "peak_gib": peak,
+           "peak_reserved_gib": reserved, "loss": float(loss), "info": info,
+           "tensors": [list(p.shape) for p in model.parameters()],
+           "elements": sum(p.numel() for p in model.parameters())}
+    if slim:
+        out["stats"] = {k: after[k] for k in ("comm_threshold_bytes", "transfers",
+                                              "compressed_transfers", "fused_keys",
+                                              "fused_buckets", "cttab_reason") if k in after}
+        out["stats"]["cttab_rows"] = len(after.get("cttab") or [])
+        per = {k: (after[k] - before[k]) / steps
+               for k in ("compress_s", "comm_s", "blocked_s", "bytes_pushed", "bytes_pulled",
+                         "bytes_fp32")}
+        copies = _copy_ms(model, device)
+        comp = {"step": ms, "fwd_bwd": out["ms_fwd_bwd"], "opt_step": out["ms_opt_step"],
+                "copies": copies, "encode": per["compress_s"] * 1e3,
+                "transfer": per["comm_s"] * 1e3, "blocked": per["blocked_s"] * 1e3,
+                "flush": flush_ms}
+        comp["overlap"] = (comp["fwd_bwd"] + comp["copies"] + comp["encode"]
+                           + comp["transfer"] - ms)
+        out["composition"] = comp
+        out["per_step"] = per
+        out["keys"] = sum(1 for p in model.parameters() if p.requires_grad)
+        opt.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def _worker_main(argv):
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run_rank(spec)
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(result, f, default=str)
+    os.replace(out_path + ".tmp", out_path)
+    return 0
+
+
+# ---------------------------------------------------------------- projection
+
+def project_step(tensors, compute_s, codec_s, procs, link, workers, backup, on_device,
+                 batch, per_key_s=None):
+    """One step at `workers` on `link` from measured times, with scale.py's pieces: every
+    tensor 2bit-compressed (codec_s: this model's measured encode+decode per step; None: all
+    float32, as DDP), wire on torch.distributed's ring; a codec on the device shares the
+    compute's processor (scale's 'cpu' overlap), an offloaded one overlaps it."""
+    from . import scale
+    elements = sum(math.prod(s) for s in tensors) or 1
+    rates = scale.CodecRates({"2bit": elements / codec_s if codec_s else math.inf},
+                             {"2bit": math.inf}, scale.DEFAULT_MEMCPY, max(1, procs),
+                             "measured")
+    setup = scale.Setup(workers, scale.parse_link(link), compute_s, batch=batch, backend="ring",
+                        per_key_s=scale.PER_KEY_S if per_key_s is None else per_key_s)
+    scheme = scale.Scheme("2bit", "full" if backup else "alone", "2bit")
+    costs, keys = [], 0.0
+    for shape in reversed(tensors):
+        q = codec_s is not None and scale.compresses(scheme, tuple(shape))
+        costs.append(scale.tensor_cost(scheme, tuple(shape), workers, q, rates))
+        if codec_s is not None:
+            keys += setup.per_key_s
+    wire = scale.wire_seconds(costs, setup, scheme)
+    codec = sum(c.codec_s for c in costs)
+    step = scale.step_seconds(compute_s, wire, codec, keys, backup and codec_s is not None,
+                              "cpu" if on_device else "accelerator")
+    return {"step_ms": step * 1e3, "wire_ms": wire * 1e3, "codec_ms": codec * 1e3,
+            "keys_ms": keys * 1e3, "samples_per_s": batch / step}
+
+
+def projection(results, workers_list, batch):
+    """Projected ms/step at each link and worker count for ddp and the SlimGC configs, from
+    the compute of no-ddp and each config's measured encode and per-key host time."""
+    rows = []
+    by = {(r["model"], r["procs"], r["config"]): r for r in results if r["status"] == "ok"}
+    for (model, procs, config), r in by.items():
+        base = by.get((model, procs, "no-ddp"))
+        if base is None or not (config == "ddp" or config.startswith("slimgc")):
+            continue
+        if "placement" in config:
+            continue  # its per-tensor choice is not one codec rate: not modelled here
+        rank = r["ranks"][0]
+        compute = base["ms_fwd_bwd"] / 1e3
+        codec_s = per_key = None
+        if config != "ddp":
+            codec_s = rank["per_step"]["compress_s"]
+            per_key = max(0.0, r["ms_opt_step"] - r["composition"]["blocked"]) / 1e3 / max(
+                1, rank["keys"])
+        for link in LINKS:
+            for n in workers_list:
+                p = project_step(rank["tensors"], compute, codec_s, procs, link, n,
+                                 not config.endswith("-nobackup"), "gpu" in config, batch,
+                                 per_key)
+                rows.append(dict(p, model=model, procs=procs, config=config, link=link,
+                                 workers=n))
+    return rows
+
+
+# ---------------------------------------------------------------- checks, table, figure
+
+def checks(results):
+    """Issue 32's targets, each 'met', 'not met' or why it could not be read."""
+    out = []
+    by = {(r["model"], r["procs"], r["config"]): r for r in results}
+
+    def ok(model, procs, config):
+        r = by.get((model, procs, config))
+        return r if r is not None and r["status"] == "ok" else None
+    for model, procs in sorted({(r["model"], r["procs"]) for r in results}):
+        off, ddp, g2 = (ok(model, procs, c) for c in ("slimgc-offload", "ddp", "ddp-gpu-2bit"))
+        if off and ddp and off.get("peak_gib") is not None:
+            out.append({"model": model, "procs": procs,
+                        "target": "slimgc-offload peak <= ddp peak",
+                        "value": "%.2f vs %.2f GiB" % (off["peak_gib"], ddp["peak_gib"]),
+                        "met": off["peak_gib"] <= ddp["peak_gib"]})
+        if off and g2 and off.get("peak_gib") is not None and model == "vgg16":
+            drop = 1 - off["peak_gib"] / g2["peak_gib"]
+            out.append({"model": model, "procs": procs,
+                        "target": "slimgc-offload peak >= 8% below ddp-gpu-2bit",
+                        "value": "%.1f%% below" % (100 * drop), "met": drop >= 0.08})
+        for suffix in ("", "-nobackup"):
+            pl, gpu, cpu = (ok(model, procs, c + suffix) for c in
+                            ("slimgc-placement", "slimgc-gpu", "slimgc-offload"))
+            skipped = by.get((model, procs, "slimgc-placement" + suffix))
+            if not pl and skipped is not None:
+                out.append({"model": model, "procs": procs,
+                            "target": "slimgc-placement%s <= min(gpu, offload)" % suffix,
+                            "value": "not measured (%s)" % skipped["status"], "met": None})
+            if pl and (gpu or cpu):
+                best = min(r["ms_step"] for r in (gpu, cpu) if r)
+                out.append({"model": model, "procs": procs,
+                            "target": "slimgc-placement%s <= min(gpu, offload)" % suffix,
+                            "value": "%.1f vs %.1f ms" % (pl["ms_step"], best),
+                            "met": pl["ms_step"] <= best})
+    return out
+
+
+def _f(x, spec="%.1f"):
+    return "-" if x is None else spec % x
+
+
+def _notes(record):
+    """DDP's bucket count and hook, SlimGC's compressed transfers per step."""
+    if not record["ranks"]:
+        return ""
+    rank = record["ranks"][0]
+    info, notes = rank.get("info") or {}, []
+    if info.get("buckets"):
+        notes.append("%d bucket%s" % (info["buckets"], "s" * (info["buckets"] > 1)))
+    if info.get("hook"):
+        notes.append(info["hook"])
+    if "stats" in rank:
+        notes.append("%d of %d keys compressed" % (
+            round(rank["stats"]["compressed_transfers"] / max(1, rank["stats"]["transfers"])
+                  * rank["keys"]), rank["keys"]))
+    return ", ".join(notes)
+
+
+def format_table(doc):
+    """The Markdown of results.json: machine, Fig. 14, Fig. 12/13, projection, targets."""
+    m = doc["machine"]
+    lines = ["# GPU benchmark (`python -m slimgc_mx.bench gpu`)", "",
+             "Device: %s, %s; torch %s, CUDA %s; %s CPUs; %s steps after %s of warm-up, "
+             "batch %s per rank." % (m.get("device"), m.get("gpu") or "no GPU", m["torch"],
+                                     m["cuda"], m["cpus"], doc["args"]["steps"],
+                                     doc["args"]["warmup"], doc["args"]["batch"]), "",
+             "## Fig. 14: peak memory and throughput", "",
+             "ms/step: median over the timed steps (mean over ranks); samples/s: all ranks "
+             "together; peak: torch.cuda.max_memory_allocated, the largest rank's.", "",
+             "| model | P | config | ms/step | fwd+bwd ms | opt.step ms | samples/s | "
+             "peak GiB | notes | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        status = r["status"] if r["status"] == "ok" else "%s: %s" % (
+            r["status"], (r["error"] or "").splitlines()[-1][:120].replace("|", "/"))
+        lines.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            r["model"], r["procs"], r["config"], _f(r.get("ms_step")),
+            _f(r.get("ms_fwd_bwd")), _f(r.get("ms_opt_step")), _f(r.get("samples_per_s")),
+            _f(r.get("peak_gib"), "%.2f"), _notes(r), status))
+    comp = [r for r in doc["results"] if r.get("composition")]
+    if comp:
+        lines += ["", "## Fig. 12/13: step composition (ms per step)", "",
+                  "copies: every gradient D2H and back H2D, timed alone; encode and transfer: "
+                  "stats()' compress_s and comm_s per step, summed over keys; a transfer "
+                  "counts while it is in flight, queued ones too, so with backup transfer "
+                  "can exceed the step many times; blocked: waiting for global weights; "
+                  "overlap: fwd+bwd + copies + encode + transfer - step (negative: time "
+                  "the parts above do not account for, such as the training thread's "
+                  "per-key work).", "",
+                  "| model | P | config | step | fwd+bwd | copies | encode | transfer | "
+                  "blocked | overlap |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in comp:
+            c = r["composition"]
+            parts = (_f(c[k]) for k in ("step", "fwd_bwd", "copies", "encode", "transfer",
+                                        "blocked", "overlap"))
+            lines.append("| %s | %d | %s | %s |" % (r["model"], r["procs"], r["config"],
+                                                    " | ".join(parts)))
+    if doc.get("projection"):
+        lines += ["", "## Projection onto 10 and 100 Gbit/s (slimgc_mx/bench/scale.py)", "",
+                  "Modelled: compute = no-ddp's fwd+bwd here; every tensor 2bit (or float32 "
+                  "for ddp) on torch.distributed's ring (scale.ring_seconds, 100 us latency); "
+                  "codec time = this run's encode+decode per step; per-key host time = "
+                  "(opt.step - blocked) / keys; with backup the offloaded codec and the wire "
+                  "overlap the next compute, the on-device codec does not (it shares the GPU). "
+                  "Not modelled: DDP's overlap of the allreduce with backward (its row is an "
+                  "upper bound), the CTTab's placement, contention for the host's cores.", "",
+                  "| model | P | config | link | N | ms/step | wire ms | codec ms | keys ms | "
+                  "samples/s/worker |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in doc["projection"]:
+            lines.append("| %s | %d | %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f |" % (
+                p["model"], p["procs"], p["config"], p["link"], p["workers"], p["step_ms"],
+                p["wire_ms"], p["codec_ms"], p["keys_ms"], p["samples_per_s"]))
+    if doc.get("checks"):
+        lines += ["", "## Targets", "", "| model | P | target | measured | met |",
+                  "|---|---|---|---|---|"]
+        for c in doc["checks"]:
+            met = {True: "yes", False: "no"}.get(c["met"], "-")
+            lines.append("| %s | %d | %s | %s | %s |" % (c["model"], c["procs"], c["target"],
+                                                       c["value"], met))
+    lines += ["", "Loopback is not a network: the ranks share one GPU, its copy engines and "
+              "the host's cores, and Gloo's transfer is a memcpy through the kernel. These "
+              "runs show memory, the compute and codec costs and how much of them overlap; "
+              "they cannot show what a slow link costs or saves (the projection models that)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path):
+    """fig14.png: peak memory and samples/s per config, one row per model, one bar per P."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = sorted({r["model"] for r in results}, key=MODELS.index)
+    procs = sorted({r["procs"] for r in results})
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 3.6 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        configs = [c for c in CONFIGS if any(r["config"] == c and r["model"] == model
+                                             for r in results)]
+        width = 0.8 / len(procs)
+        for col, (key, label) in enumerate((("peak_gib", "peak allocated (GiB)"),
+                                            ("samples_per_s", "samples/s (all ranks)"))):
+            ax = axes[row][col]
+            for j, p in enumerate(procs):
+                got = {r["config"]: r.get(key) for r in results
+                       if r["model"] == model and r["procs"] == p and r["status"] == "ok"}
+                xs = [i + (j - (len(procs) - 1) / 2) * width for i in range(len(configs))]
+                ax.bar(xs, [got.get(c) or 0 for c in configs], width, label="P=%d" % p)
+            if key == "peak_gib" and not any(r.get(key) for r in results):
+                ax.text(0.5, 0.5, "no GPU memory (--device cpu)", ha="center",
+                        transform=ax.transAxes)
+            ax.set_xticks(range(len(configs)))
+            ax.set_xticklabels(configs, rotation=35, ha="right", fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_title("%s: %s" % (model, label))
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # one rank, spawned by run_config
+    sys.exit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""`python -m slimgc_mx.bench gpu` on the CPU: every config in fresh ranks, JSON, table, figure.
+
+docs/benchmarks.md ("GPU memory and step composition") runs it on a GPU; here the tiny
+model on the CPU checks the harness: DDP, its fp16 hook and SlimGC at 1 and 2 ranks.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="bench gpu needs PyTorch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload"]
+
+
+def _bench(*args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "slimgc_mx.bench", "gpu"] + list(args),
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
+    r = _bench("--model", "tiny", "--device", "cpu", "--procs", "1,2", "--steps", "3",
+               "--warmup", "1", "--configs", ",".join(CONFIGS), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    got = {(x["procs"], x["config"]): x for x in doc["results"]}
+    assert sorted(got) == sorted((p, c) for p in (1, 2) for c in CONFIGS)
+    for (procs, config), rec in got.items():
+        assert rec["status"] == "ok", rec
+        assert len(rec["ranks"]) == procs
+        assert all(rank["ms_step"] > 0 and rank["samples_per_s"] > 0 for rank in rec["ranks"])
+        assert rec["ms_step"] > 0 and rec["peak_gib"] is None  # no GPU memory on the CPU
+    slim = got[(2, "slimgc-offload")]
+    assert set(slim["composition"]) >= {"fwd_bwd", "copies", "encode", "transfer", "blocked",
+                                        "overlap"}
+    assert slim["ranks"][0]["per_step"]["bytes_pushed"] > 0
+    assert doc["machine"]["torch"] == torch.__version__
+    assert {p["link"] for p in doc["projection"]} == {"10gbit", "100gbit"}
+    table = (tmp_path / "table.md").read_text()
+    assert "| tiny | 2 | slimgc-offload |" in table and "Projection" in table
+    assert (tmp_path / "fig14.png").stat().st_size > 1000
+    # a progress line per config as it finishes
+    assert sum(line.startswith("tiny ") for line in r.stdout.splitlines()) == 8
+
+
+def test_a_failing_config_is_recorded_and_the_others_still_run(tmp_path):
+    from slimgc_mx.bench import gpu
+    args = gpu.parse_args(["--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup",
+                           "1", "--timeout", "60"], "gpu")
+    bad = gpu.run_config("no-ddp", "no-such-model", 1, args, str(tmp_path))
+    assert bad["status"] == "error" and "no-such-model" in bad["error"]
+    good = gpu.run_config("no-ddp", "tiny", 1, args, str(tmp_path))
+    assert good["status"] == "ok" and good["ms_step"] > 0
+
+
+def test_bad_arguments_name_the_problem():
+    r = _bench("--configs", "ddp,nonesuch")
+    assert r.returncode == 2 and "nonesuch" in r.stderr and "slimgc-offload" in r.stderr
+    r = _bench("--procs", "0")
+    assert r.returncode == 2 and "--procs" in r.stderr
+    r = _bench("--batch", "0")
+    assert r.returncode == 2 and "--batch" in r.stderr and "Traceback" not in r.stderr
+    r = _bench("--help")
+    assert r.returncode == 0 and "ddp-powersgd" in r.stdout
+
+
+def test_the_gpu_2bit_hook_without_the_device_codec_feeds_back_its_error():
+    """The plain torch-ops hook (used when the device codec is missing): levels at the
+    threshold, the rest kept in the residual, so grad = sent + new residual."""
+    from slimgc_mx.bench import gpu
+    state = gpu.TwoBitHookState(group=None, world=1, threshold=0.5)
+    buf = torch.tensor([0.7, -0.2, -0.9, 0.3])
+    e = {"residual": torch.tensor([0.0, -0.4, 0.0, 0.1])}
+    sent = buf + e["residual"]
+    q = (sent >= 0.5).float() - (sent <= -0.5).float()
+    # the all_reduce of one rank returns the levels themselves
+    import torch.distributed as dist
+    fut = torch.futures.Future()
+    real = dist.all_reduce
+    try:
+        dist.all_reduce = lambda t, group=None, async_op=False: type(
+            "W", (), {"get_future": lambda self: (fut.set_result([t]) or fut)})()
+        out = gpu._plain_2bit(state, e, buf.clone()).wait()
+    finally:
+        dist.all_reduce = real
+    assert torch.equal(out, q * 0.5)
+    assert torch.allclose(out + e["residual"], sent)
