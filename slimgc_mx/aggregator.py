@@ -48,7 +48,7 @@ class Aggregator:
             codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
                                   num_threads=cfg.num_threads, **cfg.codec_options)
             cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule,
-                          cfg.cttab_margin)
+                          cfg.cttab_margin, places=self.places(cfg, framework))
         self.cttab = cttab
         self.codec = codec
         lane_format = self._lane_format()  # a worker count the lanes cannot hold raises here
@@ -71,6 +71,12 @@ class Aggregator:
         self.params_local = False  # some parameters hold loc_buf, not the global weights
         log.info("slimgc: rank %d/%d, transport %s, %s", transport.rank, transport.num_workers,
                  transport.kind, cfg)
+
+    @staticmethod
+    def places(config, framework):
+        """True when the CTTab chooses per tensor where to compress: offload='auto' and a
+        framework whose gradients are on a device that can encode them (a GPU)."""
+        return config.offload == "auto" and getattr(framework, "has_device", False)
 
     def _lane_format(self):
         if self.codec is None:
@@ -278,7 +284,8 @@ class Aggregator:
         b = transfer.buffers
         # the link carries the larger direction: a gather pulls N slots
         self.cttab.record(transfer.label, b.nbytes, transfer.compressed, transfer.t_comm,
-                          transfer.t_proc, max(transfer.wire_bytes()))
+                          transfer.t_proc, max(transfer.wire_bytes()),
+                          "device" if getattr(b, "device", None) is not None else "host")
         published = [(p.key, p.step, p.local) for p in transfer.pushes]
         if transfer.settings is None:
             self.backup.publish(published, partial(_store_sums, transfer))
@@ -291,9 +298,13 @@ class Aggregator:
         """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT."""
         self.pipeline.wait_idle(self.config.timeout)
         mine = self.cttab.decide()
-        votes = self.transport.allgather([-1.0 if mine == NEVER else float(mine)])
+        sizes = self.planner.compressible_sizes() if self.cttab.places else []
+        votes = self.transport.allgather([-1.0 if mine == NEVER else float(mine)]
+                                         + self.cttab.placement_votes(sizes))
         chosen = votes[0, 0]
-        self.cttab.adopt(NEVER if chosen < 0 else int(chosen))
+        placement = {size: "device" for size, vote in zip(sizes, votes[0, 1:]) if vote > 0}
+        self.cttab.adopt(NEVER if chosen < 0 else int(chosen),
+                         placement if self.cttab.places else None)
         self._tell_routes()
 
     def _tell_routes(self):

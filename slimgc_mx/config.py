@@ -44,7 +44,9 @@ class SlimGCConfig:
     cttab_margin    a size is compressed only if its benefit ratio is at least 1 + margin,
                     so a benefit within the noise of 1 does not flip between runs
     backup          model backup: loc_buf/glo_buf, the next step starts before aggregation ends
-    offload         encode/decode on CPU threads with the Cython codecs (else NDArray ops)
+    offload         encode/decode on CPU threads with the Cython codecs (False: with the
+                    framework's ops on the gradient's device; 'auto': the CTTab's warm-up
+                    measures both and chooses per tensor, where the model is on a GPU)
     fuse            after the CTTab's decision, send the full-precision tensors as one
                     flat buffer per server and update them with one optimizer call
     fuse_compressed compressed tensors below this many bytes share one compressed bucket
@@ -76,7 +78,7 @@ class SlimGCConfig:
     cttab_rule: str = "fit"
     cttab_margin: float = 0.5
     backup: bool = True
-    offload: bool = True
+    offload: Union[bool, str] = True
     fuse: bool = True
     fuse_compressed: Union[str, int] = "off"
     loc_lr: Optional[float] = None
@@ -154,6 +156,8 @@ class SlimGCConfig:
                              "it is at least 25 %% faster compressed), got %r"
                              % (self.cttab_margin,))
         for name in _BOOL_FIELDS:
+            if name == "offload" and self.offload == "auto":
+                continue
             if not isinstance(getattr(self, name), bool):
                 raise ValueError("%s must be True or False, got %r (strings such as 'off' "
                                  "are parsed by from_sources() and replace())"
@@ -289,6 +293,8 @@ def _parse(name, raw, where):
     try:
         if name in _BOOL_FIELDS:
             low = raw.lower()
+            if name == "offload" and low == "auto":
+                return low
             if low in _TRUE:
                 return True
             if low in _FALSE:
@@ -318,7 +324,7 @@ def _parse(name, raw, where):
 
 
 _BOOL = "1/0, true/false, yes/no or on/off"
-_EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS},
+_EXPECTED = {**{name: _BOOL for name in _BOOL_FIELDS}, "offload": _BOOL + " or auto",
              "threshold": "a number", "timeout": "a number of seconds", "loc_lr": "a number",
              "warmup_steps": "an integer", "num_threads": "an integer", "audit_every": "an integer",
              "piece_bytes": "an integer number of bytes",

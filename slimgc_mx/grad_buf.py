@@ -93,6 +93,7 @@ class KeyBuffers:
         self.grad_buf = make_buffer(shape, np.float32)
         self.agg = make_buffer(shape, np.float32)
         self.device = None
+        self.device_codec = None  # offload='auto': the device codec, used where placed
         self.residual_pending = False  # the residual may hold error feedback not yet sent
         self.grad_in_place = None  # fused pushes read the gradient in place (None: not yet known)
         if codec is not None:

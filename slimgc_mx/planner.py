@@ -219,8 +219,10 @@ class Planner:
             codec.seed = key_seed(self.config.seed, index)
         b = KeyBuffers(index, shape, codec, self.transport.num_workers, self._make_buffer,
                        wire=self.transport.keys.per_key(index), lanes32=self.lanes32)
-        if codec is not None and not self.config.offload:
+        if codec is not None and self.config.offload is False:
             b.device = self._device_codec(codec)
+        elif codec is not None and self.cttab.places:
+            b.device_codec = self._device_codec(codec)  # used where the CTTab places it
         self.transport.declare(b.wire.fp, b.grad_buf)
         for c, rounds in enumerate(b.round_sets):
             for i, r in enumerate(rounds):
@@ -245,6 +247,20 @@ class Planner:
         """The CTTab's route of key buffers `b` at `step`: True for bit_buf."""
         return b.codec is not None and self.cttab.compressed(b.nbytes, step)
 
+    def place(self, b, step):
+        """offload='auto': set b.device for `step` to where the CTTab encodes the key (its
+        device codec, or None for the host), bringing a device-held residual home first."""
+        if b.device_codec is None:
+            return
+        device = self.cttab.where(b.nbytes, step) == "device"
+        if b.device is not None and not device:
+            b.host_residual()
+        b.device = b.device_codec if device else None
+
+    def compressible_sizes(self):
+        """The sizes of the keys a codec may compress, sorted (the same on every worker)."""
+        return sorted({b.nbytes for b in self.keys.values() if b.codec is not None})
+
     def checks_in_local_update(self, b, step):
         """True when the Cython encoder will encode this step of the key after warm-up.
 
@@ -252,6 +268,7 @@ class Planner:
         it encodes bit_buf in its pass (FusedEncode, a codec that fuses_local_update),
         or counts NaN/Inf so that the encoder skips its own pass (GradCheck).
         """
+        self.place(b, step)
         return (b.device is None and self.cttab.phase != "warmup"
                 and self.compressed(b, step) and not self._in_compressed_bucket(b))
 
@@ -270,6 +287,11 @@ class Planner:
         text = "CTTab: BestCT = %s (%s); %d of %d tensors compressed (%s of %s)" % (
             format_bytes(cut), self.cttab.reason, len(chosen), len(keys),
             format_bytes(sum(b.nbytes for b in chosen)), format_bytes(total))
+        if self.cttab.places:
+            on_device = [b for b in chosen if self.cttab.where(b.nbytes, 0) == "device"]
+            text += ", %d of them encoded on the device (%s), %d on CPU threads" % (
+                len(on_device), format_bytes(sum(b.nbytes for b in on_device)),
+                len(chosen) - len(on_device))
         if not chosen and self.codec is not None:
             text += ("; %s compresses nothing here: comm_threshold='off' compresses every "
                      "tensor (docs/usage.md)" % self.codec.name)
@@ -285,6 +307,7 @@ class Planner:
         the global update can decode this key's compressed sum itself; compress=False
         keeps it in full precision whatever the CTTab says."""
         b = push.buffers
+        self.place(b, push.step)
         compressed = compress and self.compressed(b, push.step)
         serial = self.cttab.phase == "warmup"
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
@@ -320,7 +343,8 @@ class Planner:
         members = {k: self.keys[k] for k in self.full_precision_keys()}
         limit = self.fuse_limit()
         small = {k: b for k, b in self.keys.items() if k not in members and self.steps[k] > 0
-                 and b.codec is not None and b.device is None and b.nbytes < limit
+                 and b.codec is not None and b.device is None and b.device_codec is None
+                 and b.nbytes < limit
                  and b.codec.rounds == 1 and all(r.route == "sum" for r in b.rounds)
                  and len(b.round_sets) == 1 and b.codec.memory_size(b.size) == b.size}
         for key in list(members) + list(small):  # no transfer still reads their buffers

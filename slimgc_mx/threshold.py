@@ -43,8 +43,13 @@ class CTTab:
     rule: 'fit' or 'measured', how BestCT is read from the table (see the module doc).
     """
 
-    def __init__(self, mode="auto", warmup_steps=20, rule="fit", margin=0.0):
+    def __init__(self, mode="auto", warmup_steps=20, rule="fit", margin=0.0, places=False):
+        """places: the model is on a device (a GPU) that can also encode (offload='auto'):
+        the warm-up measures the compressed route encoded there too, and each size is
+        compressed where its t^q is least."""
         check_rule(rule)
+        self.places = places
+        self.placement = {}  # size -> 'device' where the device encodes it (offload='auto')
         self.mode = mode
         self.warmup_steps = warmup_steps
         self.rule = rule
@@ -60,6 +65,8 @@ class CTTab:
             self.phase = "trained"
             saved = load_decision(mode)
             self.best_ct, self.rows, self.link = saved["best_ct"], saved["rows"], saved["link"]
+            self.placement = {r["size"]: "device" for r in self.rows
+                              if r.get("where") == "device"}
             self.reason = "replayed from %s (%s)" % (mode, saved.get("reason") or "saved table")
         else:
             self.phase = "trained"
@@ -70,23 +77,38 @@ class CTTab:
     def compressed(self, nbytes, step):
         """Route of one transfer: True for bit_buf (compressed), False for fp_buf."""
         if self.phase == "warmup":
-            return step % 2 == 0
+            return step % 2 == 0 if not self.places else step % 3 != 1
         return nbytes >= self.best_ct
+
+    def where(self, nbytes, step):
+        """Where a compressed transfer of `nbytes` at `step` is encoded: 'host' (CPU threads)
+        or 'device' (the gradient's device). Warm-up with placement: steps 0, 3, ... on the
+        host, 2, 5, ... on the device (1, 4, ... go full precision)."""
+        if not self.places:
+            return "host"
+        if self.phase == "warmup":
+            return "device" if step % 3 == 2 else "host"
+        return self.placement.get(nbytes, "host")
 
     def needs_decision(self, step):
         """True when the warm-up is over and the table must be built before `step` is routed."""
         return self.phase == "warmup" and step >= self.warmup_steps
 
-    def record(self, key, nbytes, compressed, t_comm, t_proc=0.0, wire_bytes=None):
+    def record(self, key, nbytes, compressed, t_comm, t_proc=0.0, wire_bytes=None,
+               where="host"):
         """Record one warm-up transfer: comm time, and encode+decode time if compressed.
 
         wire_bytes: bytes the compressed transfer sent (its lanes); the fit needs it.
+        where: where it was encoded and decoded, 'host' or 'device'.
         """
         if self.phase != "warmup":
             return
         s = self._samples.setdefault(key, {"nbytes": nbytes, "wire_q": None, "fp": [], "q": [],
-                                           "proc": []})
-        if compressed:
+                                           "proc": [], "proc_device": []})
+        if compressed and where == "device":
+            s["q"].append(t_comm)
+            s["proc_device"].append(t_proc)
+        elif compressed:
             s["q"].append(t_comm)
             s["proc"].append(t_proc)
             if wire_bytes is not None:
@@ -107,21 +129,27 @@ class CTTab:
         """
         by_size = {}
         for s in self._samples.values():
-            if s["fp"] and s["q"]:
+            if s["fp"] and s["q"] and (s["proc"] or s["proc_device"]):
                 by_size.setdefault(s["nbytes"], []).append(
-                    (min(s["fp"]), min(s["q"]),
-                     min(s["proc"]), s["wire_q"]))
+                    (min(s["fp"]), min(s["q"]), min(s["proc"] or [math.inf]),
+                     min(s["proc_device"] or [math.inf]), s["wire_q"]))
         rows = []
         for nbytes in sorted(by_size):
             entries = by_size[nbytes]
             t_c = sum(e[0] for e in entries) / len(entries)
             t_cq = sum(e[1] for e in entries) / len(entries)
-            t_pq = sum(e[2] for e in entries) / len(entries)
+            host = sum(e[2] for e in entries) / len(entries)
+            device = sum(e[3] for e in entries) / len(entries)
+            t_pq = min(host, device)
             t_q = t_cq + t_pq
-            wire_q = entries[0][3]
-            rows.append({"size": nbytes, "tensors": len(entries), "wire_q": wire_q, "t_c": t_c,
-                         "t_c_q": t_cq, "t_p_q": t_pq, "t_q": t_q,
-                         "ratio": t_c / t_q if t_q > 0 else math.inf})
+            wire_q = entries[0][4]
+            row = {"size": nbytes, "tensors": len(entries), "wire_q": wire_q, "t_c": t_c,
+                   "t_c_q": t_cq, "t_p_q": t_pq, "t_q": t_q,
+                   "ratio": t_c / t_q if t_q > 0 else math.inf}
+            if self.places:  # t_p^q measured twice: the row takes the faster place
+                row.update(t_p_q_host=host, t_p_q_device=device,
+                           where="device" if device < host else "host")
+            rows.append(row)
         self.link = fit_rows(rows)
         self.rows = rows
         return rows
@@ -150,9 +178,21 @@ class CTTab:
         """Build the table and read this worker's BestCT from it with the configured rule."""
         return self.choose(self.build(), self.rule, self.margin)
 
-    def adopt(self, best_ct):
-        """Enter the trained phase with the BestCT every worker agreed on."""
+    def placement_votes(self, sizes):
+        """Per size in `sizes` (every worker's same list): 1.0 where this worker's table
+        encodes it on the device, else 0.0 (rank 0's votes are adopted)."""
+        where = {r["size"]: r.get("where") for r in self.rows}
+        return [1.0 if where.get(size) == "device" else 0.0 for size in sizes]
+
+    def adopt(self, best_ct, placement=None):
+        """Enter the trained phase with the BestCT (and, with placement, the sizes encoded
+        on the device) every worker agreed on."""
         self.best_ct = best_ct
+        if placement is not None:
+            self.placement = dict(placement)
+            for r in self.rows:  # the table shows the adopted place
+                if "where" in r:
+                    r["where"] = self.placement.get(r["size"], "host")
         self.phase = "trained"
         self.reason = self.explain()
         log.info("CTTab: BestCT = %s: %s\n%s", format_bytes(best_ct), self.reason,
@@ -222,9 +262,11 @@ class CTTab:
     def state_dict(self):
         return {"mode": self.mode, "warmup_steps": self.warmup_steps, "rule": self.rule,
                 "margin": self.margin, "phase": self.phase, "best_ct": self.best_ct,
-                "rows": self.rows, "link": self.link, "reason": self.reason}
+                "rows": self.rows, "link": self.link, "reason": self.reason,
+                "placement": sorted(s for s, w in self.placement.items() if w == "device")}
 
     def load_state_dict(self, state):
+        self.placement = {int(s): "device" for s in state.get("placement", [])}
         self.phase = state["phase"]
         self.best_ct = state["best_ct"]
         self.rows = list(state["rows"])
@@ -239,6 +281,9 @@ class CTTab:
         lines = [head]
         for r in self.rows:
             mark = " <- BestCT" if r["size"] == self.best_ct else ""
+            if "where" in r:
+                mark = " (%s: host %.3f, device %.3f ms)%s" % (
+                    r["where"], r["t_p_q_host"] * 1e3, r["t_p_q_device"] * 1e3, mark)
             lines.append("%12s %7d %10.3f %10.3f %10.3f %10.3f %7.2f %10.3f %10.3f%s" % (
                 format_bytes(r["size"]), r["tensors"], r["t_c"] * 1e3, r["t_c_q"] * 1e3,
                 r["t_p_q"] * 1e3, r["t_q"] * 1e3, r["ratio"], r["fit_t_c"] * 1e3,
@@ -253,6 +298,8 @@ class CTTab:
         out = io.StringIO()
         fields = ["size", "tensors", "wire_q", "t_c", "t_c_q", "t_p_q", "t_q", "ratio", "fit_t_c",
                   "fit_t_q"]
+        if self.places:
+            fields += ["t_p_q_host", "t_p_q_device", "where"]
         writer = csv.DictWriter(out, fieldnames=fields)
         writer.writeheader()
         for r in self.rows:

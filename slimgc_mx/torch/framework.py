@@ -247,6 +247,7 @@ class TorchFramework:
         self.group_of = group_of  # index -> its param group in the optimizer
         self.num_workers = num_workers
         self.cuda = cuda
+        self.has_device = cuda  # offload='auto' places codecs on the GPU or on CPU threads
         self.readiness = CudaReadiness() if cuda else HostReadiness()
         self.arrays = TorchArrays(pinned=cuda)
         self._copy_stream = torch.cuda.Stream() if cuda else None
