@@ -35,7 +35,7 @@ CONFIGS = OrderedDict([
     ("ddp-gpu-2bit", "DDP + a 2bit hook with error feedback on the GPU (residual per bucket)"),
     ("slimgc-offload", "SlimGC 2bit, every tensor compressed on the CPU (offload), backup"),
     ("slimgc-gpu", "SlimGC 2bit, every tensor compressed on the gradient's device, backup"),
-    ("slimgc-placement", "SlimGC 2bit, the CTTab's placement (placement='auto'), backup"),
+    ("slimgc-placement", "SlimGC 2bit, the CTTab's placement (offload='auto'), backup"),
     ("slimgc-offload-nobackup", "slimgc-offload without model backup"),
     ("slimgc-gpu-nobackup", "slimgc-gpu without model backup"),
     ("slimgc-placement-nobackup", "slimgc-placement without model backup"),
@@ -151,7 +151,7 @@ def machine_info(device):
 
 
 def placement_support():
-    """None when DistributedOptimizer takes placement='auto', else why not (one rank, CPU)."""
+    """None when DistributedOptimizer takes offload='auto', else why not (one rank, CPU)."""
     import torch
     try:
         import slimgc_mx.torch as slimgc
@@ -161,9 +161,9 @@ def placement_support():
     env = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
     try:
         opt = slimgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model,
-                                          compression="2bit", placement="auto")
+                                          compression="2bit", offload="auto")
     except (TypeError, ValueError) as exc:
-        return "DistributedOptimizer rejects placement='auto': %s" % exc
+        return "DistributedOptimizer rejects offload='auto': %s" % exc
     finally:
         os.environ.update(env)
     opt.close()
@@ -480,7 +480,7 @@ def _setup(config, model, device, world, warmup):
     import slimgc_mx.torch as slimgc
     options = {"backup": not config.endswith("-nobackup")}
     if config.startswith("slimgc-placement"):
-        options.update(placement="auto", comm_threshold="auto", warmup_steps=max(2, warmup))
+        options.update(offload="auto", comm_threshold="auto", warmup_steps=max(2, warmup))
     else:
         options.update(offload=config.startswith("slimgc-offload"), comm_threshold=0)
     try:
@@ -540,7 +540,7 @@ def run_rank(spec):
         net, opt, info = _setup(config, model, device, world, warmup)
     except (TypeError, ValueError) as exc:
         if "placement" in config:
-            return {"rank": rank, "skipped": "DistributedOptimizer rejects placement='auto': "
+            return {"rank": rank, "skipped": "DistributedOptimizer rejects offload='auto': "
                     "%s" % exc}
         raise
     slim = config.startswith("slimgc")
