@@ -94,7 +94,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 p.copy_(self._agg.backup.glo_buf(name).view(p.shape))  # rank 0's weights
         self._buffers = [b for b in model.buffers()] if broadcast_buffers else []
-        self._broadcast_buffers()
+        if self._buffers and transport.num_workers > 1:
+            transport.broadcast_tensors([b.data for b in self._buffers])
         self._hook = model.register_forward_pre_hook(lambda module, args: (
             self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
 
@@ -125,6 +126,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return named
 
     def _broadcast_buffers(self):
+        """Rank 0's buffers everywhere, at a training forward (as DDP: not under no_grad, so a
+        forward on one rank alone, such as an evaluation, sends nothing)."""
+        if not (self._model.training and torch.is_grad_enabled()):
+            return
         if self._buffers and self._transport.num_workers > 1:
             self._transport.broadcast_tensors([b.data for b in self._buffers])
 
