@@ -12,8 +12,8 @@ torch.distributed next. This module imports neither framework, nor NumPy beyond 
     Arrays      the framework's own arrays <-> host arrays: copies in the framework's
                 order and write holds
 
-The last seam, the optimizer's rule on host arrays, is still MXNet's (update.py, sgd.py);
-docs/backend.md says how it is to be drawn.
+The last seam, the optimizer's rule on host arrays, is each framework's global_update and
+local_updater (mxnet/update.py, torch/framework.py, numpy_backend.py); docs/backend.md.
 """
 from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
@@ -61,6 +61,8 @@ class Collective(Protocol):
 
     def declare(self, wire_key: int, buf: HostArray) -> None: ...
 
+    def announce(self, wire_keys: Sequence[int]) -> None: ...
+
     def push_pull(self, wire_key: int, send: HostArray, recv: HostArray, priority: int = 0,
                   in_pieces: bool = False) -> Work: ...
 
@@ -96,7 +98,7 @@ class Arrays(Protocol):
     asynchronously, write holds that make its next reader wait for the global weights
     without blocking the training thread."""
 
-    can_hold: bool
+    can_hold: bool  # (an optional loc_in_params = True: loc_buf is the parameter itself)
 
     def new(self, shape: Sequence[int]) -> HostArray: ...
 
