@@ -1,9 +1,7 @@
 """Without MXNet (a NumPy/PyTorch-only machine) the tests that need it skip, with the reason,
 and the rest run; likewise the experiments' optional packages. Nothing here acts where the
 packages are installed (requirements.txt installs them all)."""
-import importlib.abc
 import importlib.util
-import sys
 
 import pytest
 
@@ -25,31 +23,17 @@ def _missing_module(exc):
     return None
 
 
-class _SkipTheModule(importlib.abc.MetaPathFinder):
-    """While a test module is imported, importing a missing optional package skips it."""
-
-    def find_spec(self, fullname, path, target=None):
-        top = fullname.split(".")[0]
-        if top in MISSING:
-            raise pytest.skip.Exception(_reason(top), allow_module_level=True)
-        return None
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector):
     """A test module that imports MXNet at its top is one skip, not a collection error."""
-    if not MISSING or not isinstance(collector, pytest.Module):
-        return (yield)
-    finder = _SkipTheModule()
-    sys.meta_path.insert(0, finder)
-    try:
-        report = yield
-    finally:
-        sys.meta_path.remove(finder)
-    if report.skipped and isinstance(report.longrepr, tuple):
-        reason = report.longrepr[2]
-        if any(_reason(name) in reason for name in MISSING):
-            report.longrepr = (str(collector.path), 0, reason)  # the module, not this file
+    report = yield
+    if MISSING and report.failed and isinstance(collector, pytest.Module):
+        text = str(report.longrepr)
+        for name in sorted(MISSING):
+            if "ModuleNotFoundError: No module named %r" % name in text:
+                report.outcome = "skipped"
+                report.longrepr = (str(collector.path), 0, "Skipped: " + _reason(name))
+                break
     return report
 
 
