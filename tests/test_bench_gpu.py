@@ -3,6 +3,7 @@
 docs/benchmarks.md ("GPU memory and step composition") runs it on a GPU; here the tiny
 model on the CPU checks the harness: DDP, its fp16 hook and SlimGC at 1 and 2 ranks.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -44,7 +45,10 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     assert {p["link"] for p in doc["projection"]} == {"10gbit", "100gbit"}
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | 2 | slimgc-offload |" in table and "Projection" in table
-    assert (tmp_path / "fig14.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "fig14.png").stat().st_size > 1000
+    else:  # a machine without it (the GPU machine may be one) is told, the rest is written
+        assert "fig14.png not drawn" in r.stderr and "pip install matplotlib" in r.stderr
     # a progress line per config as it finishes
     assert sum(line.startswith("tiny ") for line in r.stdout.splitlines()) == 8
 
