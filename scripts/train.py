@@ -8,22 +8,42 @@ Distributed runs need the DMLC_* environment of a parameter-server job, e.g.
     python -m slimgc_mx.launch -n 2 -s 2 --launcher local \\
         python scripts/train.py --kvstore slimgc --compressor 2bit --model cnn1d --dataset mnist1d
 """
+import os
+import sys
+
+
+def _framework(argv):
+    """--framework's value in argv (the last one, as argparse takes it; 'mxnet' when absent),
+    read before anything is imported."""
+    found = "mxnet"
+    for i, word in enumerate(argv):
+        if word == "--framework" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif word.startswith("--framework="):
+            found = word.split("=", 1)[1]
+    return found
+
+
+if __name__ == "__main__" and _framework(sys.argv[1:]) == "torch":
+    # the PyTorch job imports no MXNet (a server would start its loop in `import mxnet`)
+    import runpy
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_torch.py"),
+                   run_name="__main__")
+    sys.exit(0)
+
 # Scheduler and server processes of a dist job enter their loop inside `import mxnet`
 # and exit there, so it comes before anything heavy.
 import mxnet as mx  # noqa: E402  (must stay first)
 
-import argparse
-import hashlib
-import json
-import logging
-import os
-import random
-import sys
-import time
-import warnings
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
 
-import numpy as np
-from mxnet import autograd, gluon
+import numpy as np  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -33,33 +53,11 @@ import slimgc_mx  # noqa: E402  (registers the kvstore; imports nothing else)
 import slimgc_mx.resume  # noqa: E402
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.bench import datasets, models  # noqa: E402
+from slimgc_mx.bench.jobtools import (codec_options, comm_threshold,  # noqa: E402
+                                      positive_int, progress_bar, summary_line, write_results)
 
 KVSTORES = ("slimgc", "dist_sync", "horovod", "local")
 COMPRESSORS = tuple(codecs.available()) + ("fp16",)
-
-
-def comm_threshold(text):
-    """--comm-threshold: 'auto', 'off', a size in bytes, or a saved CTTab decision (.json)."""
-    t = text.strip()
-    if t.lower() in ("auto", "off"):
-        return t.lower()
-    if t.lstrip("-").isdigit():
-        v = int(t)
-        if v < 0:
-            raise argparse.ArgumentTypeError("byte count must be >= 0, got %d" % v)
-        return v
-    if os.path.isfile(t):
-        return t
-    raise argparse.ArgumentTypeError("expected auto, off, a byte count or the .json file of a "
-                                     "saved CTTab decision (FILE.cttab.json of an earlier "
-                                     "--json run), got %r" % text)
-
-
-def positive_int(text):
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError("must be > 0, got %d" % v)
-    return v
 
 
 def build_parser():
@@ -68,6 +66,10 @@ def build_parser():
         epilog="Learning rate semantics: gradients are averaged over the global batch "
                "(batch-size x workers), as in synchronous SGD.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--framework", choices=("mxnet", "torch"), default="mxnet",
+                   help="torch: the same job through PyTorch (scripts/train_torch.py: DDP, "
+                        "its hooks or SlimGC's DistributedOptimizer; `--framework torch "
+                        "--help` lists its options)")
     g = p.add_argument_group("communication")
     g.add_argument("--kvstore", choices=KVSTORES, default="slimgc",
                    help="slimgc: the SlimGC plugin; dist_sync: stock MXNet parameter server; "
@@ -200,17 +202,6 @@ def make_kvstore(args):
     return kv, params
 
 
-def codec_options(items):
-    """{'ratio': '0.1'} from ['ratio=0.1'] (--codec-option), or a usage error."""
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            sys.exit("--codec-option %r: expected NAME=VALUE, e.g. ratio=0.1" % item)
-        out[name.strip()] = value.strip()
-    return out
-
-
 def check_checkpoint_dir(parser, path):
     """A usage error when --checkpoint-dir, or a folder above it, is a file."""
     here = os.path.abspath(path)
@@ -269,33 +260,14 @@ class Evaluator:
         return correct / float(len(y))
 
 
-def fmt_bytes(n):
-    """Bytes in binary units (KiB, MiB, GiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
-        n /= 1024.0
-
-
-def progress_bar(total, desc, enabled):
-    """A tqdm bar on stderr; under the launcher its refreshes reach the terminal through it."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    if not enabled:
-        return None
-    tty = sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=tty,
-                ncols=None if tty else 100)
-
-
 def main(argv=None, on_step=None):
     """Train as the command line says; returns the result dict (rank 0 also prints it).
 
     on_step(trainer), when given, runs before every trainer.step (the cluster harness
     timestamps steps with it).
     """
+    if _framework(sys.argv[1:] if argv is None else argv) == "torch":
+        return _torch_main(argv, on_step)  # (MXNet is imported already, unused)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.checkpoint_dir:
@@ -489,57 +461,24 @@ def main(argv=None, on_step=None):
         "kvstore_stats": stats,
     }
     if is_root:
-        summary = ["final test acc %.4f" % final_acc,
-                   "%.1f samples/s (median step), %.1f overall"
-                   % (result["samples_per_s"]["median_step"] or 0.0,
-                      result["samples_per_s"]["overall"] or 0.0)]
-        if stats:
-            ct = stats.get("comm_threshold_bytes")
-            phase = stats.get("comm_threshold_phase")
-            if isinstance(ct, int):
-                chosen = fmt_bytes(ct)
-            elif args.compressor == "none":
-                chosen = "n/a (compressor none)"
-            else:
-                chosen = "never"
-            reason = stats.get("cttab_reason")
-            summary.append("comm threshold %s%s%s" % (chosen, " (%s)" % phase if phase else "",
-                                                    ": " + reason if reason else ""))
-            pushed, pulled, fp32 = (stats.get(k) for k in ("bytes_pushed", "bytes_pulled",
-                                                           "bytes_fp32"))
-            if pushed is not None and fp32:
-                summary.append("pushed %s, pulled %s vs %s fp32 (%.1f%% / %.1f%%)"
-                               % (fmt_bytes(pushed), fmt_bytes(pulled or 0), fmt_bytes(fp32),
-                                  100.0 * pushed / fp32, 100.0 * (pulled or 0) / fp32))
-        print("summary: " + " | ".join(summary), flush=True)
+        print(summary_line(result, args.compressor), flush=True)
     cttab = getattr(kvobj, "cttab", None)
     if args.json and is_root and cttab is not None and cttab.rows:
         cttab.save(os.path.splitext(args.json)[0] + ".cttab")  # the paper's Fig. 6 table
     if args.json:
-        write_json(result, args.json if is_root else None)
-        if num_workers > 1:
-            stem, ext = os.path.splitext(args.json)
-            write_json(result, "%s.rank%d%s" % (stem, rank, ext or ".json"))
+        write_results(result, args.json, is_root, num_workers)
     return result
 
 
-def write_json(result, path):
-    """Write atomically (rank 0: FILE; every rank of a multi-worker job: FILE.rankN)."""
-    if path is None:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = "%s.tmp%d" % (path, os.getpid())  # workers of a no-comm run share the path
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2, default=_json_default)
-    os.replace(tmp, path)
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
+def _torch_main(argv, on_step):
+    """main() of scripts/train_torch.py, for a caller that gave --framework torch here."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "slimgc_train_torch", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                           "train_torch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv, on_step=on_step)
 
 
 if __name__ == "__main__":
