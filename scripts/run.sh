@@ -5,7 +5,9 @@
 #   bash scripts/run.sh test [PYTEST_ARGS...]   # the test suite
 #   bash scripts/run.sh train [TRAIN_ARGS...]   # the main job: 2 workers + 2 servers, slimgc 2bit,
 #                                               # MNIST-1D, on an emulated 1 Gbit/s cluster when
-#                                               # this machine can make one (root, namespaces)
+#                                               # this machine can make one (root, namespaces);
+#                                               # with --framework torch: through PyTorch, 2
+#                                               # workers over Gloo, no servers
 #   bash scripts/run.sh setup                   # only install and build
 #   bash scripts/run.sh python ARGS...          # the venv's python (e.g. -m slimgc_mx.bench codecs)
 #   bash scripts/run.sh horovod                 # optional: Horovod 0.28.1 for the benchmark's
@@ -72,18 +74,33 @@ case "$cmd" in
         exec "$VENV/bin/python" -m pytest -q "$@" ;;
     train)
         setup
+        framework=mxnet help=0 prev=
         for arg in "$@"; do
-            case "$arg" in -h|--help) exec "$VENV/bin/python" scripts/train.py --help ;; esac
+            case "$arg" in
+                -h|--help) help=1 ;;
+                --framework=*) framework=${arg#--framework=} ;;
+            esac
+            [ "$prev" = --framework ] && framework=$arg
+            prev=$arg
         done
+        case "$framework" in
+            mxnet) job=(-n 2 -s 2) who="2 workers + 2 servers" ;;
+            torch) job=(-n 2 --framework torch) who="2 PyTorch workers (Gloo, no servers)" ;;
+            *) echo "run.sh train: --framework $framework: expected mxnet or torch" >&2
+               exit 2 ;;
+        esac
+        if [ "$help" = 1 ]; then
+            exec "$VENV/bin/python" scripts/train.py --framework "$framework" --help
+        fi
         if why=$("$VENV/bin/python" -m slimgc_mx.launch.netns --check); then
             where=(--launcher netns --bandwidth 1gbit)
-            log "2 workers + 2 servers, each in its own network namespace on a 1 Gbit/s link"
+            log "$who, each in its own network namespace on a 1 Gbit/s link"
         else
             where=(--launcher local)
-            log "2 workers + 2 servers on loopback ($why): with no link to save, compression" \
+            log "$who on loopback ($why): with no link to save, compression" \
                 "may not pay, and the threshold table may choose full precision"
         fi
-        exec "$VENV/bin/python" -m slimgc_mx.launch -n 2 -s 2 "${where[@]}" \
+        exec "$VENV/bin/python" -m slimgc_mx.launch "${job[@]}" "${where[@]}" \
             "$VENV/bin/python" scripts/train.py --kvstore slimgc --compressor 2bit \
             --model cnn1d --dataset mnist1d "$@" ;;
     python)

@@ -50,16 +50,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "COMMAND as given). Exit status: the workers' (0 when all "
                     "succeed), 128+N when a process is killed by signal N, 2 for usage errors, "
                     "127 when COMMAND cannot start, %d when the workers succeeded without "
-                    "ever joining the servers (they trained unsynchronised)."
+                    "ever joining the servers (they trained unsynchronised). --framework "
+                    "torch starts W torch.distributed workers instead, no scheduler or "
+                    "servers: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR "
+                    "(rank 0's address), MASTER_PORT and GLOO_SOCKET_IFNAME set as torchrun "
+                    "would, in local or netns mode."
                     % NEVER_JOINED_STATUS,
         epilog="examples:\n"
                "  slimgc-launch -n 2 -s 2 python scripts/train.py\n"
-               "  slimgc-launch -n 4 -H hosts --env OMP_NUM_THREADS:2 python scripts/train.py",
+               "  slimgc-launch -n 4 -H hosts --env OMP_NUM_THREADS:2 python scripts/train.py\n"
+               "  slimgc-launch -n 2 --framework torch --launcher netns python scripts/train.py "
+               "--framework torch",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--num-workers", required=True, type=int,
                    help="number of worker processes (required)")
     p.add_argument("-s", "--num-servers", type=int, default=None,
-                   help="number of server processes (default: same as -n)")
+                   help="number of server processes (default: same as -n); --framework "
+                        "torch starts none")
+    p.add_argument("--framework", choices=["mxnet", "torch"], default="mxnet",
+                   help="mxnet: a parameter-server job (scheduler, servers, workers); torch: "
+                        "workers only, with torch.distributed's variables (default: "
+                        "%(default)s)")
     p.add_argument("--launcher", choices=["local", "ssh", "netns", "mpi", "sge", "yarn"],
                    default=None,
                    help="where processes run (default: ssh when -H is given, else local); "
@@ -136,7 +147,7 @@ def parse_args(argv: Optional[List[str]] = None, parser=None) -> argparse.Namesp
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if args.num_servers is None:
-        args.num_servers = args.num_workers
+        args.num_servers = 0 if args.framework == "torch" else args.num_workers
     if args.launcher is None:
         args.launcher = "ssh" if args.hostfile else "local"
     if args.remote_dir is None:
@@ -188,13 +199,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                     plan = plan_again(plan, args.port)
                 job = LaunchedJob(plan, prepared.command, cwd, args.linger, args.kill_grace,
                                   interpreter)
-                log.info("%s launcher: 1 scheduler, %s, %s%s; scheduler at %s:%s%s",
-                         args.launcher, plural(args.num_servers, "server"),
-                         plural(args.num_workers, "worker"),
-                         netns.describe_links(args) if cluster else "",
-                         plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"],
-                         " (attempt %d of %d)" % (attempt + 1, args.max_restarts + 1)
+                again = (" (attempt %d of %d)" % (attempt + 1, args.max_restarts + 1)
                          if args.max_restarts else "")
+                links = netns.describe_links(args) if cluster else ""
+                if args.framework == "torch":
+                    log.info("%s launcher: %s of torch.distributed (Gloo), no servers%s; "
+                             "rank 0 at %s:%s%s", args.launcher,
+                             plural(args.num_workers, "worker"), links,
+                             plan[0].env["MASTER_ADDR"], plan[0].env["MASTER_PORT"], again)
+                else:
+                    log.info("%s launcher: 1 scheduler, %s, %s%s; scheduler at %s:%s%s",
+                             args.launcher, plural(args.num_servers, "server"),
+                             plural(args.num_workers, "worker"), links,
+                             plan[0].env["DMLC_PS_ROOT_URI"], plan[0].env["DMLC_PS_ROOT_PORT"],
+                             again)
                 status = job.run()
                 if status == 0 or job.failed is None or attempt == args.max_restarts:
                     return status

@@ -152,6 +152,8 @@ def build_plan(args, cluster=None) -> List[Task]:
         raise LaunchError("missing COMMAND to run (e.g. python train.py)")
     if args.num_workers < 1:
         raise LaunchError("need -n >= 1 workers")
+    if getattr(args, "framework", "mxnet") == "torch":
+        return torch_plan(args, cluster)
     if args.num_servers < 1:
         raise LaunchError("need -s >= 1 servers: MXNet's dist kvstore sums on its servers "
                           "(leave -s out for as many servers as workers)")
@@ -249,6 +251,66 @@ def build_plan(args, cluster=None) -> List[Task]:
     return plan
 
 
+def torch_env(rank: int, world: int, master: str, port: int, local_rank: int,
+              local_world: int) -> Dict[str, str]:
+    """torch.distributed's variables for one rank, as torchrun sets them."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master,
+            "MASTER_PORT": str(port)}
+
+
+def torch_plan(args, cluster=None) -> List[Task]:
+    """--framework torch: W workers of torch.distributed, no scheduler or servers; rank 0's
+    address is MASTER_ADDR, and Gloo binds loopback (local) or the namespace's eth0 (netns)."""
+    if args.launcher not in ("local", "netns"):
+        raise LaunchError("--framework torch runs with --launcher local or netns; on several "
+                          "hosts start torchrun on each")
+    if args.num_servers:
+        raise LaunchError("--framework torch starts no servers (torch.distributed sums among "
+                          "the workers): leave -s out")
+    for given, option in ((args.env_server, "--env-server"), (args.p3, "--p3"),
+                          (args.no_server_env, "--no-server-env")):
+        if given:
+            raise LaunchError(f"{option} concerns MXNet's servers, which --framework torch "
+                              f"does not start: leave it out")
+    if args.launcher == "netns" and cluster is None:
+        raise LaunchError("--launcher netns needs its namespaces (netns.NetnsCluster)")
+    if args.launcher != "netns" and (args.bandwidth or args.delay):
+        raise LaunchError("--bandwidth and --delay shape the links of --launcher netns only")
+    n = args.num_workers
+    common = {"PYTHONUNBUFFERED": "1"}
+    if sys.stderr.isatty():
+        common[TERMINAL_VAR] = "1"
+    user_env = {**parse_env_items(args.env, "--env"),
+                **parse_env_items(args.env_worker, "--env-worker")}
+    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in user_env:
+        cpus = available_cpus()
+        common["OMP_NUM_THREADS"] = str(omp_threads(n, cpus))
+        log.info("OMP_NUM_THREADS=%s for every process: %s share %s "
+                 "(--env OMP_NUM_THREADS:N sets another value)", common["OMP_NUM_THREADS"],
+                 plural(n, "worker"), plural(cpus, "CPU"))
+    if args.port:
+        if args.launcher == "local":
+            check_port(args.port)
+        port = args.port
+    else:
+        port = free_port()  # in netns rank 0's namespace is fresh: any port is free there
+    if args.launcher == "netns":
+        runner, master, iface = NetnsRunner(), cluster.ip("worker 0"), NODE_IFACE
+        nodes = [cluster.ns("worker %d" % i) for i in range(n)]
+    else:
+        runner, master, iface = LocalRunner(), args.root_uri or "127.0.0.1", "lo"
+        nodes = [None] * n
+    plan = []
+    for i in range(n):
+        local = (0, 1) if args.launcher == "netns" else (i, n)  # a namespace is a node
+        # Gloo binds GLOO_SOCKET_IFNAME; without it, whatever the hostname resolves to
+        env = {**common, "GLOO_SOCKET_IFNAME": iface, **user_env,
+               **torch_env(i, n, master, port, *local), LAUNCH_INDEX_VAR: str(i)}
+        plan.append(Task("worker", i, nodes[i], runner, env))
+    return plan
+
+
 def plan_again(plan: List[Task], fixed_port: Optional[int]) -> List[Task]:
     """The same job with fresh tasks, for a restart: a new free scheduler port (the old one
     may linger in TIME_WAIT), or `fixed_port` (--port) again, checked when it is bound here."""
@@ -258,5 +320,5 @@ def plan_again(plan: List[Task], fixed_port: Optional[int]) -> List[Task]:
         port = fixed_port
     else:
         port = free_port()
-    return [Task(t.role, t.index, t.node, t.runner, {**t.env, "DMLC_PS_ROOT_PORT": str(port)})
-            for t in plan]
+    key = "DMLC_PS_ROOT_PORT" if plan[0].role == "scheduler" else "MASTER_PORT"
+    return [Task(t.role, t.index, t.node, t.runner, {**t.env, key: str(port)}) for t in plan]
