@@ -1,9 +1,10 @@
 """One worker's SlimGC data path: what happens to a key's gradient at every step.
 
     wait for glo_buf            the last aggregation of this key has published w_i
+    plan the push               Strategy 1: the CTTab's fp_buf or bit_buf, or a fused
+                                bucket; where it is encoded, decoded, checked (Plan)
     grad_buf <- gradient        Strategy 2: a CPU copy, consumed when it is ready
     loc_buf <- w_i - lr * g     Strategy 3: the local update; the trainer goes on
-    route by the CTTab          Strategy 1: fp_buf or bit_buf, or a fused bucket
     pipeline                    encode -> push/pull -> decode -> glo_buf <- w_{i+1}
 
 The Aggregator composes the parts (planner, pipeline, backup, updates) over a
@@ -18,9 +19,10 @@ import numpy as np
 
 from . import agreement, codecs, lanes32, notice
 from .backup import ModelBackup
-from .grad_buf import FusedEncode, GradCheck, Push, mark_nonfinite, stream_pieces
+from .grad_buf import FusedEncode, Push, mark_nonfinite
 from .pipeline import Pipeline, TransferStats
 from .planner import Planner
+from .push_plan import DEVICE, LOCAL_UPDATE, PIECES
 from .threshold import CTTab, NEVER
 from .trace import Trace
 
@@ -164,27 +166,27 @@ class Aggregator:
             return self._push_sum(key, b, step, grads, priority)
         bucket = self.planner.bucket(key)
         if bucket is not None and bucket.holds(key):
-            self._submit(bucket.take(self.name_of))  # pushed again before the rest of its bucket
+            self._submit(self.planner.take(bucket))  # pushed again before the rest of its bucket
         self.backup.wait_version(key, step)  # grad_buf and the residual are free again
         push = Push(key, b, step, local=self.config.backup and outs is not None,
                     priority=priority)
         settings = self.update.settings(b.index)
-        transfer = None
+        transfer = check = None
         if bucket is None:
-            if (push.local and self.local_updater().fused
-                    and self.planner.checks_in_local_update(b, step)):
-                push.check = GradCheck()
-            transfer = self.planner.transfer(push, settings, self.update.decodes_in_update)
-            if transfer.compressed and b.codec.wants_optimizer:
+            transfer = self.planner.transfer(
+                push, settings, self.update.decodes_in_update,
+                local_kernel=push.local and self.local_updater().fused)
+            check = transfer.check
+            if transfer.plan.compressed and b.codec.wants_optimizer:
                 b.codec.set_optimizer_view(self.update.codec_view(
                     b.index, self.backup.glo_buffer(key), settings))
-        encoder = self._fused_encoder(transfer) if push.local else None
+        encoder = self._fused_encoder(transfer)
         grad, source = self.framework.gradient(b, grads, encoder is not None)
         if push.local:
             self.params_local = True
             start = time.perf_counter()
             self.backup.local_step(key, step, source, outs,
-                                   partial(self.local_updater(), b.index, check=push.check,
+                                   partial(self.local_updater(), b.index, check=check,
                                            encoder=encoder))
             if self.trace is not None:
                 self.trace.span("local update", start, time.perf_counter(),
@@ -192,7 +194,7 @@ class Aggregator:
         if transfer is not None:
             self._submit(transfer, grad)
         elif bucket.add(push, settings):
-            self._submit(bucket.take(self.name_of))
+            self._submit(self.planner.take(bucket))
         self.planner.steps[key] = step + 1
         if not self.config.backup and outs is not None:
             if not self.framework.arrays.can_hold:
@@ -200,30 +202,13 @@ class Aggregator:
             self.backup.write_back(key, step + 1, outs)
 
     def _fused_encoder(self, transfer):
-        """The FusedEncode that lets the local update encode `transfer`'s bit_buf in its pass
-        over the gradient, or None (a full-precision or fused-bucket push, no kernel local update,
-        a codec without the fused kernel, or one that reads the optimizer while encoding)."""
-        if transfer is None or transfer.check is None:
+        """The FusedEncode with which the local update encodes `transfer`'s bit_buf in its
+        pass over the gradient (whole, or piece by piece), where the plan encodes it there;
+        else None."""
+        if transfer is None or transfer.plan.encode not in (LOCAL_UPDATE, PIECES):
             return None
-        codec = transfer.buffers.codec
-        if not codec.fuses_local_update or codec.wants_optimizer:
-            return None
-        pieces = self._stream_pieces(transfer)
-        transfer.streamed = pieces is not None
         return FusedEncode(transfer.buffers, transfer.exchange.send, self.num_workers,
-                           self.transport.rank, transfer.check, pieces)
-
-    def _stream_pieces(self, transfer):
-        """The Pieces a fused push is encoded and sent as, one by one, or None: its lanes
-        travel whole, as float32 lanes, in several rounds, or carry values that depend
-        on the whole key (Codec.piece_elements)."""
-        r = transfer.exchange
-        bounds = self.transport.pieces(r.key)
-        if (bounds is None or not self.config.stream or transfer.serial
-                or r.lanes32 is not None or r.route != "sum" or len(transfer.plan) != 1):
-            return None
-        b = transfer.buffers
-        return stream_pieces(b.codec, b.size, r.send, bounds, self.num_workers)
+                           self.transport.rank, transfer.check, transfer.plan.pieces)
 
     def _push_sum(self, key, b, step, grads, priority):
         """No optimizer: the sum over contexts and workers becomes the key's value."""
@@ -256,10 +241,10 @@ class Aggregator:
         return step
 
     def _submit(self, transfer, grad=None):
-        b = transfer.buffers
-        if transfer.compressed and b.device is not None:
-            # Offload off: encode with NDArray ops on the gradient's own context, in line.
-            send = transfer.exchange.send
+        """Queue `transfer` in the pipeline; where its plan encodes on the device, encode
+        first, with the framework's ops on the gradient's own device, on this thread."""
+        if transfer.plan.encode == DEVICE:
+            b, send = transfer.buffers, transfer.exchange.send
             try:
                 b.device.encode_key(b, grad, self.num_workers, self.transport.rank, send)
                 b.residual_pending = True
@@ -281,11 +266,11 @@ class Aggregator:
     def _finish(self, transfer):
         """Aggregation thread: account, record timings, update glo_buf, publish."""
         self.stats.add(transfer)
-        b = transfer.buffers
+        plan = transfer.plan
         # the link carries the larger direction: a gather pulls N slots
-        self.cttab.record(transfer.label, b.nbytes, transfer.compressed, transfer.t_comm,
-                          transfer.t_proc, max(transfer.wire_bytes()),
-                          "device" if getattr(b, "device", None) is not None else "host")
+        self.cttab.record(transfer.label, transfer.buffers.nbytes, plan.compressed,
+                          transfer.t_comm, transfer.t_proc, max(transfer.wire_bytes()),
+                          "device" if plan.encode == DEVICE else "host")
         published = [(p.key, p.step, p.local) for p in transfer.pushes]
         if transfer.settings is None:
             self.backup.publish(published, partial(_store_sums, transfer))

@@ -260,7 +260,6 @@ class Push:
     buffers: KeyBuffers
     step: int
     local: bool  # its local update (backup) has run: publishing waits for the loc_buf flag
-    check: Optional[GradCheck] = None
     priority: int = 0  # MXNet's priority of its transfer (Trainer and Module pass -index)
 
 

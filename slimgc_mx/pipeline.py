@@ -4,12 +4,12 @@ Three threads, each a FIFO stage, so that one key's encoding overlaps another
 key's transfer and a third key's decoding:
 
     encoder       wait for grad_buf, encode bit_buf with the codec (no GIL held), unless
-                  the local update has encoded it in its own pass (grad_buf.FusedEncode)
+                  the push's plan encodes it elsewhere (push_plan.Plan.encode)
     communicator  push + pull on the transport (MXNet's engine sends asynchronously); a
                   streamed transfer comes here at once, and the engine pushes each of its
                   pieces as soon as the local update's operator has encoded it
-    finisher      wait for the sum, decode it into the aggregate, hand it to `finish`
-                  (or, for a transfer marked decode_in_update, leave decoding to `finish`)
+    finisher      wait for the sum, check it, decode it into the aggregate where the plan
+                  decodes it here (Plan.decode), hand it to `finish`
 
 Any exception in a stage is kept and raised in the training thread at its next
 wait, chained to the original traceback; later transfers are dropped.
@@ -30,6 +30,8 @@ import numpy as np
 from .codecs import NonFiniteGradientError
 from .codecs.base import kernels
 from .grad_buf import GradCheck, Push, mark_nonfinite, nonfinite_sender
+from .push_plan import (DEVICE, ENCODER, FINISHER, FINITE_IN_RANGE, LOCAL_UPDATE, PIECES,
+                        Plan)
 
 
 #: The trace row of work timed inside MXNet's engine (a streamed push's piece encodes).
@@ -55,51 +57,46 @@ class NonFiniteAggregateError(NonFiniteGradientError):
 class Transfer:
     """One aggregation of one step: a key, or a fused bucket of keys, through the pipeline.
 
-    The planner fills the route; the pipeline fills the timings and `nonfinite`.
+    The planner fills what it carries and its `plan`; the local update fills `check`; the
+    pipeline writes the fields after `check` as it runs.
     """
 
-    buffers: object  # a grad_buf.KeyBuffers, or a planner.Bucket on the full-precision route
+    buffers: object  # a grad_buf.KeyBuffers, or a planner.Bucket
     step: int
     pushes: List[Push]  # the keys' gradients it carries (one, or a bucket's members)
     settings: Optional[object]  # update.OptSettings of the step; None: a plain sum, no update
     label: str  # how messages name it: "dense0_weight", "parameters a, b, c (fused)"
-    compressed: bool  # bit_buf route (else fp_buf)
+    plan: Plan  # where it is encoded, decoded and checked (push_plan.py)
     priority: int = 0  # MXNet's priority of its engine operators (higher goes first)
-    serial: bool = False  # warm-up: transferred alone and timed, in the trainer's key order
-    decode_in_update: bool = False  # the SGD kernel decodes bit_sum inside its update
-    check: Optional[GradCheck] = None  # set: enters once check.ready is readable
+    check: Optional[GradCheck] = None  # plan.grad_check LOCAL_UPDATE: the local update's
+    #                                    report; the transfer enters once check.ready is
     handle: object = None
     t_start: Optional[float] = None
     t_comm: Optional[float] = None
     t_proc: float = 0.0  # encode + decode seconds
     nonfinite: bool = False  # this worker's gradient held NaN/Inf: it sends NaN
-    plan: tuple = (0,)  # compressed: the key's rounds this push exchanges (Codec.push_rounds)
-    round: int = 0  # the exchange under way: a position in `plan`
-    wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
+    round: int = 0  # the exchange under way: a position in plan.rounds
     round_start: Optional[float] = None  # when the exchange under way was started
-    lanes_checked: bool = False  # the sum's digit lanes were found in range (decode_in_update)
-    streamed: bool = False  # encoded piece by piece in the engine (grad_buf.Piece), each
-    #                         piece pushed once it is encoded: enters the pipeline at once
+    lanes_checked: bool = False  # the sum's digit lanes were found in range (FINITE_IN_RANGE)
 
     def ready_array(self):
         """The host array the transfer waits for before it enters (its producer's output)."""
-        b = self.buffers
-        if self.check is not None:
+        if self.plan.grad_check == LOCAL_UPDATE:
             return self.check.ready
-        if self.compressed and b.device is not None:
+        if self.plan.encode == DEVICE:
             return self.exchange.send  # encoded on the training thread
-        return b.grad_buf
+        return self.buffers.grad_buf
 
     @property
     def exchange(self):
         """The grad_buf.WireRound under way (compressed transfers)."""
-        return self.wire_rounds[self.plan[self.round]]
+        return self.wire_rounds[self.plan.rounds[self.round]]
 
     @property
     def wire(self):
         """(wire key, what is sent, where the result lands) of its route and round."""
         b = self.buffers
-        if self.compressed:
+        if self.plan.compressed:
             r = self.exchange
             return r.key, r.wire_send, r.wire_recv
         return b.wire.fp, b.fp_buf, b.agg
@@ -107,25 +104,25 @@ class Transfer:
     @property
     def wire_rounds(self):
         """The WireRounds of its push (all rounds; compressed transfers only)."""
-        return self.buffers.round_sets[self.wire_class]
+        return self.buffers.round_sets[self.plan.wire_class]
 
     @property
     def gathers(self):
         """True when this round's result is every worker's slot side by side, not a sum."""
-        return self.compressed and self.exchange.route == "gather"
+        return self.plan.compressed and self.exchange.route == "gather"
 
     def wire_keys(self):
         """The wire keys of its exchanges, in the order they are made."""
-        if not self.compressed:
+        if not self.plan.compressed:
             return [self.buffers.wire.fp]
-        return [self.wire_rounds[i].key for i in self.plan]
+        return [self.wire_rounds[i].key for i in self.plan.rounds]
 
     def wire_bytes(self):
         """(bytes pushed, bytes pulled) over all its exchanges: a gather pulls N slots;
         float32 lanes count as what travels."""
-        if not self.compressed:
+        if not self.plan.compressed:
             return self.buffers.fp_buf.nbytes, self.buffers.agg.nbytes
-        rounds = [self.wire_rounds[i] for i in self.plan]
+        rounds = [self.wire_rounds[i] for i in self.plan.rounds]
         return (sum(r.wire_send.nbytes for r in rounds),
                 sum(r.wire_recv.nbytes for r in rounds))
 
@@ -163,7 +160,7 @@ class Pipeline:
         with self._idle:
             self._pending += 1
         self.transport.announce(transfer.wire_keys())
-        if transfer.serial or transfer.streamed:
+        if transfer.plan.serial or transfer.plan.encode == PIECES:
             self._queues[0].put(transfer)
         else:
             self._notifier.when_readable(transfer.ready_array(),
@@ -230,47 +227,68 @@ class Pipeline:
         self._span("encode", start, t)
 
     def _encode_one(self, t):
+        """What is sent made ready where the plan encodes it (Plan.encode)."""
+        site = t.plan.encode
+        if site is None:
+            self._check_full_precision(t)
+        elif site == ENCODER:
+            self._encode_here(t)
+        elif site == LOCAL_UPDATE:
+            self._encoded_in_local_update(t)
+        elif site == PIECES:  # engine operators encode its pieces; the transport sends each
+            t.buffers.residual_pending = True
+        else:  # DEVICE: encoded on the training thread
+            t0 = time.perf_counter()
+            t.exchange.send.for_read()
+            self._split(t)
+            t.t_proc += time.perf_counter() - t0
+
+    def _check_full_precision(self, t):
+        """fp_buf (grad_buf itself) goes as it is: flush residuals a compressed route left,
+        and send NaN naming this worker when the gradient holds NaN/Inf."""
         b = t.buffers
-        if not t.compressed:
-            for push in t.pushes:
-                if push.buffers.residual_pending:
-                    _flush_residual(push.buffers)
-            grad = b.grad_buf.for_read()
-            if kernels().count_nonfinite(grad, 1 if grad.size < 1 << 16 else 2):
-                mark_nonfinite(b.grad_buf.for_write(), self.transport.rank)
-                t.nonfinite = True
-        elif t.streamed:  # its pieces are being encoded by engine operators
+        for push in t.pushes:
+            if push.buffers.residual_pending:
+                _flush_residual(push.buffers)
+        grad = b.grad_buf.for_read()
+        if kernels().count_nonfinite(grad, 1 if grad.size < 1 << 16 else 2):
+            mark_nonfinite(b.grad_buf.for_write(), self.transport.rank)
+            t.nonfinite = True
+
+    def _encoded_in_local_update(self, t):
+        """bit_buf was encoded by the local update (grad_buf.FusedEncode): take its report."""
+        check = t.check
+        if not check.encoded:  # its operator failed, or never ran: encode here
+            if check.error is not None:
+                raise check.error
+            self._encode_here(t)
+            return
+        t.buffers.residual_pending = True
+        t.t_proc += check.seconds
+        if check.nonfinite:
+            mark_nonfinite(t.exchange.send.for_write(), self.transport.rank)
+            t.nonfinite = True
+        self._split(t)
+
+    def _encode_here(self, t):
+        """The codec encodes grad_buf into bit_buf; its own pre-check finds NaN/Inf unless
+        the local update has counted them (Plan.grad_check LOCAL_UPDATE)."""
+        b = t.buffers
+        grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
+                                 t.exchange.send.for_write())
+        counted = t.check.nonfinite if t.plan.grad_check == LOCAL_UPDATE else None
+        t0 = time.perf_counter()
+        try:
+            if counted:
+                raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
+            b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,
+                           grad_checked=counted == 0, rank=self.transport.rank)
             b.residual_pending = True
-        elif b.device is not None:
-            t0 = time.perf_counter()
-            t.exchange.send.for_read()  # encoded on the training thread
-            self._split(t)
-            t.t_proc += time.perf_counter() - t0
-        elif t.check is not None and t.check.encoded:  # by the local update (FusedEncode)
-            b.residual_pending = True
-            t.t_proc += t.check.seconds
-            if t.check.nonfinite:
-                mark_nonfinite(t.exchange.send.for_write(), self.transport.rank)
-                t.nonfinite = True
-            self._split(t)
-        elif t.check is not None and t.check.error is not None:
-            raise t.check.error
-        else:
-            grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
-                                     t.exchange.send.for_write())
-            checked = t.check is not None and t.check.nonfinite == 0
-            t0 = time.perf_counter()
-            try:
-                if t.check is not None and t.check.nonfinite:
-                    raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
-                b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,
-                               grad_checked=checked, rank=self.transport.rank)
-                b.residual_pending = True
-            except NonFiniteGradientError:
-                mark_nonfinite(lanes, self.transport.rank)
-                t.nonfinite = True
-            self._split(t)
-            t.t_proc += time.perf_counter() - t0
+        except NonFiniteGradientError:
+            mark_nonfinite(lanes, self.transport.rank)
+            t.nonfinite = True
+        self._split(t)
+        t.t_proc += time.perf_counter() - t0
 
     def _split(self, t):
         """float32 lanes: the round's float64 lanes into the float32 lanes that travel
@@ -321,8 +339,8 @@ class Pipeline:
                 t.handle = self.transport.gather(wire, send, recv, t.priority)
             else:
                 t.handle = self.transport.push_pull(wire, send, recv, t.priority,
-                                                    in_pieces=t.streamed)
-            if not t.serial:
+                                                    in_pieces=t.plan.encode == PIECES)
+            if not t.plan.serial:
                 return
             t.handle.wait()
             t.t_comm = (t.t_comm or 0.0) + (t.handle.elapsed or time.perf_counter() - start)
@@ -332,14 +350,12 @@ class Pipeline:
     def _complete(self, t):
         """Wait for the round; run the codec's next round, or decode and finish. True: the
         transfer goes back to the communicator for its next round."""
-        b = t.buffers
         t.handle.wait()
-        if not t.serial:
+        if not t.plan.serial:
             t.t_comm = time.perf_counter() - t.t_start if t.handle.elapsed is None \
                 else (t.t_comm or 0.0) + t.handle.elapsed
-        n = self.transport.num_workers
         self._span("transfer", t.round_start, t, round=t.round)
-        if t.streamed:  # every piece's operator has run: its pull followed its push
+        if t.plan.encode == PIECES:  # every piece's operator has run: its pull followed its push
             if t.check.error is not None:
                 raise t.check.error
             t.nonfinite = bool(t.check.nonfinite)
@@ -348,23 +364,30 @@ class Pipeline:
                 self._span("encode", begin, t, end=end, thread=ENGINE_ROW, piece=i)
         if self._advance(t):
             return True
-        start = time.perf_counter()
-        if t.compressed and b.device is not None:
-            t0 = time.perf_counter()
-            b.device.decode_key(b, n, t.exchange.recv)
-            b.agg.for_read()
-            t.t_proc += time.perf_counter() - t0
-        elif t.compressed and not t.decode_in_update:
-            lanes, agg = t.exchange.recv.for_read(), b.agg.for_write()
-            t0 = time.perf_counter()
-            b.codec.decode(lanes, b.size, n, out=agg)
-            t.t_proc += time.perf_counter() - t0
-        if t.compressed and not t.decode_in_update:
-            self._span("decode", start, t)
+        self._decode(t)
         start = time.perf_counter()
         self._finish(t)
         self._span("global update", start, t)
         return False
+
+    def _decode(self, t):
+        """The sum decoded into agg where the plan decodes it here (Plan.decode FINISHER or
+        DEVICE); UPDATE leaves it to the global update, and a full-precision sum is agg."""
+        site = t.plan.decode
+        if site != FINISHER and site != DEVICE:
+            return
+        b, n = t.buffers, self.transport.num_workers
+        start = time.perf_counter()
+        if site == DEVICE:
+            t0 = time.perf_counter()
+            b.device.decode_key(b, n, t.exchange.recv)
+            b.agg.for_read()
+        else:
+            lanes, agg = t.exchange.recv.for_read(), b.agg.for_write()
+            t0 = time.perf_counter()
+            b.codec.decode(lanes, b.size, n, out=agg)
+        t.t_proc += time.perf_counter() - t0
+        self._span("decode", start, t)
 
     def _span(self, stage, start, t, end=None, **args):
         """Record `stage` of transfer t from `start` to `end` (default now), when tracing."""
@@ -377,7 +400,7 @@ class Pipeline:
         payload (next_round) and return True."""
         b, n = t.buffers, self.transport.num_workers
         joined = False
-        if t.compressed:
+        if t.plan.compressed:
             joined = self._join(t)
             received = t.exchange.recv
         else:
@@ -392,9 +415,9 @@ class Pipeline:
                     t.label, t.step, "worker rank %d" % sender if sender is not None
                     else "a worker this sum does not name (an overflow, or a NaN no check saw)",
                     "did" if t.nonfinite else "was finite"))
-        if not (t.compressed and t.round + 1 < len(t.plan)):
+        if not (t.plan.compressed and t.round + 1 < len(t.plan.rounds)):
             return False
-        nxt = t.wire_rounds[t.plan[t.round + 1]].send
+        nxt = t.wire_rounds[t.plan.rounds[t.round + 1]].send
         t0 = time.perf_counter()
         b.codec.next_round(t.round, values, nxt.for_write(), n)
         t.t_proc += time.perf_counter() - t0
@@ -402,11 +425,11 @@ class Pipeline:
         return True
 
     def _finite(self, t, values, joined):
-        """True when the round's result holds no NaN/Inf. A sum the SGD kernel decodes is
-        read once for both of its checks: digit lanes in [0, 2**53) (already known when
-        the float32 join validated them) set t.lanes_checked, so that the kernel does not
-        read them again, and only the lanes after them are tested for NaN/Inf."""
-        if t.decode_in_update and t.round + 1 == len(t.plan):
+        """True when the round's result holds no NaN/Inf. A sum the SGD kernel decodes
+        (FINITE_IN_RANGE) is read once for both of its checks: digit lanes in [0, 2**53)
+        (already known when the float32 join validated them) set t.lanes_checked, so that
+        the kernel does not read them again, and only the lanes after them are tested."""
+        if t.plan.sum_check == FINITE_IN_RANGE and t.round + 1 == len(t.plan.rounds):
             body = t.buffers.codec.body_lanes(t.buffers.size, self.transport.num_workers)
             if joined and t.exchange.lanes32.layout.body64 == body \
                     or kernels().count_lanes_outside(values[:body]) == 0:
@@ -447,5 +470,5 @@ class TransferStats:
         self.comm_s += t.t_comm
         self.compress_s += t.t_proc
         self.transfers += 1
-        self.compressed_transfers += int(t.compressed)
-        self.streamed_transfers += int(t.streamed)
+        self.compressed_transfers += int(t.plan.compressed)
+        self.streamed_transfers += int(t.plan.encode == PIECES)

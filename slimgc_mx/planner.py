@@ -1,9 +1,10 @@
 """Keys -> transfers: the CTTab's route for every push, and the fused full-precision buckets.
 
 The planner owns each key's buffers (grad_buf.KeyBuffers) and step count. For every
-push it decides the route of Algorithm 2 (bit_buf when the CTTab compresses the
-tensor's size, fp_buf otherwise; both alternately during the warm-up) and hands out
-a typed pipeline.Transfer.
+push it decides, in one place (Planner.plan), the route of Algorithm 2 (bit_buf when the
+CTTab compresses the tensor's size, fp_buf otherwise; both alternately during the warm-up)
+and where the push is encoded, decoded and checked, and hands out a pipeline.Transfer
+that carries that decision as an immutable push_plan.Plan.
 
 Fused buckets: sent one by one, every small tensor pays a transfer, three pipeline
 hand-offs and an optimizer call in Python, 0.3-0.5 ms of CPU per key and step
@@ -24,8 +25,11 @@ import logging
 import numpy as np
 
 from .codecs.rng import key_seed
-from .grad_buf import KeyBuffers, Push, WireRound, add_lanes32
+from .grad_buf import GradCheck, KeyBuffers, Push, WireRound, add_lanes32, stream_pieces
 from .pipeline import Transfer
+from .push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
+                        FINITE_IN_RANGE, FULL_BUCKET_PLAN, FULL_PLAN, FULL_SERIAL_PLAN,
+                        LOCAL_UPDATE, PIECES, UPDATE, Plan)
 from .threshold import format_bytes
 from .transport.keys import KeyWire
 
@@ -35,12 +39,11 @@ log = logging.getLogger(__name__)
 class Bucket:
     """Consecutive member keys in one flat grad_buf / agg, sent as one wire key.
 
-    It stands in for a KeyBuffers of the full-precision route in the pipeline.
+    It stands in for a KeyBuffers in the pipeline (its plan: push_plan.BUCKET).
     `pending` holds the Pushes of the members since the last transfer; the bucket is
     sent once every member is in it.
     """
 
-    device = None
     residual_pending = False
 
     def __init__(self, members, wire_key, make_buffer, codec=None, num_workers=1, lanes32=False):
@@ -51,7 +54,6 @@ class Bucket:
         self.grad_buf = make_buffer((self.size,), np.float32)
         self.agg = make_buffer((self.size,), np.float32)
         self.codec = codec  # compressed bucket: one codec instance for all its members
-        self._num_workers = num_workers
         self.residual = make_buffer((self.size,), np.float32) if codec is not None else None
         offset = 0
         for b in members.values():
@@ -101,15 +103,12 @@ class Bucket:
         self.pending.append(push)
         return len(self.pending) == len(self.members)
 
-    def take(self, name_of):
-        """The transfer of what is in (the bucket starts collecting the next round)."""
+    def take(self, name_of, plan):
+        """The transfer of what is in, under `plan` (Planner.take); the bucket starts
+        collecting the next round."""
         pending, self.pending = self.pending, []
-        # the codec's state is that of the bucket's last decoded push, alike on every worker
-        plan = tuple(self.codec.push_rounds(self.size, self._num_workers)) \
-            if self.codec is not None else (0,)
         return Transfer(self, pending[0].step, pending, self.settings, self.label(name_of),
-                        compressed=self.codec is not None,
-                        priority=max(p.priority for p in pending), plan=plan)
+                        plan, priority=max(p.priority for p in pending))
 
 
 class FusedRoute:
@@ -261,22 +260,6 @@ class Planner:
         """The sizes of the keys a codec may compress, sorted (the same on every worker)."""
         return sorted({b.nbytes for b in self.keys.values() if b.codec is not None})
 
-    def checks_in_local_update(self, b, step):
-        """True when the Cython encoder will encode this step of the key after warm-up.
-
-        Then the local update (SGD kernel) serves the encoder as it reads the gradient:
-        it encodes bit_buf in its pass (FusedEncode, a codec that fuses_local_update),
-        or counts NaN/Inf so that the encoder skips its own pass (GradCheck).
-        """
-        self.place(b, step)
-        return (b.device is None and self.cttab.phase != "warmup"
-                and self.compressed(b, step) and not self._in_compressed_bucket(b))
-
-    def _in_compressed_bucket(self, b):
-        return self.fused is not None and any(
-            m is b for bucket in self.fused.buckets if bucket.codec is not None
-            for m in bucket.members.values())
-
     def route_summary(self):
         """One line for the user: the CTTab's BestCT, its reason, and how many tensors (and
         bytes) it compresses, with the way to force compression when it compresses none."""
@@ -302,26 +285,74 @@ class Planner:
         name = self._name_of(key)
         return name if name is not None else "key %r" % (key,)
 
-    def transfer(self, push, settings, decodes_in_update, compress=True):
-        """The transfer of one key's push (not fused). decodes_in_update(buffers): whether
-        the global update can decode this key's compressed sum itself; compress=False
-        keeps it in full precision whatever the CTTab says."""
-        b = push.buffers
-        self.place(b, push.step)
-        compressed = compress and self.compressed(b, push.step)
+    def transfer(self, push, settings, decodes_in_update, compress=True, local_kernel=False):
+        """The transfer of one key's push (not fused), with its plan (see plan()); settings
+        None: a plain sum, no global update to decode in."""
+        plan = self.plan(push.buffers, push.step,
+                         decodes_in_update if settings is not None else None,
+                         local_kernel, compress)
+        check = GradCheck() if plan.grad_check == LOCAL_UPDATE else None
+        return Transfer(push.buffers, push.step, [push], settings, self.label(push.key), plan,
+                        priority=push.priority, check=check)
+
+    def take(self, bucket):
+        """The transfer of what a fused bucket holds, with its plan."""
+        return bucket.take(self._name_of, self.plan(bucket, None))
+
+    def plan(self, b, step, decodes_in_update=None, local_kernel=False, compress=True):
+        """The push_plan.Plan of one push of `b` (a key's buffers, or a fused Bucket) at
+        `step`: the one place that decides its route and where it is encoded, decoded and
+        checked for NaN/Inf.
+
+        decodes_in_update(buffers): whether the global update can decode the key's sum
+        itself (None: no update, a plain sum). local_kernel: the push's local update runs
+        as the SGD kernel (backup with MXNet SGD's rule), so it reads the gradient anyway.
+        compress=False keeps the push in full precision whatever the CTTab says.
+        """
+        n = self.transport.num_workers
+        if isinstance(b, Bucket):
+            if b.codec is None:
+                return FULL_BUCKET_PLAN
+            # the codec's state is that of the bucket's last decoded push, alike everywhere
+            return Plan(BUCKET, ENCODER, FINISHER, ENCODER, FINITE,
+                        rounds=tuple(b.codec.push_rounds(b.size, n)))
         serial = self.cttab.phase == "warmup"
-        # After warm-up (whose timings include the decode) the SGD kernel decodes the
-        # sum tile by tile inside its update: the aggregate never goes to memory.
-        decode_in_update = (compressed and not serial and settings is not None
-                            and decodes_in_update(b))
+        self.place(b, step)
+        if not (compress and self.compressed(b, step)):
+            return FULL_SERIAL_PLAN if serial else FULL_PLAN
+        codec = b.codec
         # The codec's state is that of the key's last decoded push (the caller waited for
         # it), the same on every worker, so every worker exchanges the same rounds.
-        plan = tuple(b.codec.push_rounds(b.size, self.transport.num_workers)) if compressed \
-            else (0,)
-        return Transfer(b, push.step, [push], settings, self.label(push.key), compressed,
-                        priority=push.priority, serial=serial,
-                        decode_in_update=decode_in_update, check=push.check, plan=plan,
-                        wire_class=b.codec.wire_class if compressed else 0)
+        rounds, wire_class = tuple(codec.push_rounds(b.size, n)), codec.wire_class
+        if b.device is not None:
+            return Plan(COMPRESSED, DEVICE, DEVICE, DEVICE, FINITE, serial, rounds, wire_class)
+        # After warm-up (whose timings include the decode) the SGD kernel decodes the
+        # sum tile by tile inside its update: the aggregate never goes to memory.
+        in_update = not serial and decodes_in_update is not None and decodes_in_update(b)
+        encode = grad_check = ENCODER
+        pieces = None
+        if local_kernel and not serial:
+            # The local update's SGD pass reads the gradient anyway: it encodes bit_buf in
+            # that pass (FusedEncode), else counts NaN/Inf so the encoder skips its own.
+            grad_check = LOCAL_UPDATE
+            if codec.fuses_local_update and not codec.wants_optimizer:
+                pieces = self._pieces(b, rounds, wire_class)
+                encode = LOCAL_UPDATE if pieces is None else PIECES
+        return Plan(COMPRESSED, encode, UPDATE if in_update else FINISHER, grad_check,
+                    FINITE_IN_RANGE if in_update else FINITE, serial, rounds, wire_class,
+                    pieces)
+
+    def _pieces(self, b, rounds, wire_class):
+        """The Pieces a push encoded in its local update is encoded and sent as, one by
+        one (a tuple), or None: its lanes travel whole, as float32 lanes, in several
+        rounds, or carry values that depend on the whole key (Codec.piece_elements)."""
+        r = b.round_sets[wire_class][rounds[0]]
+        bounds = self.transport.pieces(r.key)
+        if (bounds is None or not self.config.stream or r.lanes32 is not None
+                or r.route != "sum" or len(rounds) != 1):
+            return None
+        pieces = stream_pieces(b.codec, b.size, r.send, bounds, self.transport.num_workers)
+        return tuple(pieces) if pieces is not None else None
 
     # -- fused buckets ---------------------------------------------------------------------
     def bucket(self, key):
@@ -391,7 +422,7 @@ class Planner:
         """The transfers of buckets still waiting for members that were not pushed."""
         if self.fused is None:
             return []
-        return [bucket.take(self._name_of) for bucket in self.fused.partial()]
+        return [self.take(bucket) for bucket in self.fused.partial()]
 
     def refuse_stale_buckets(self):
         """After a checkpoint with another BestCT: rebuild the buckets (new wire keys)."""

@@ -8,6 +8,7 @@ weights are bitwise those of MXNet's own SGD (tests/test_sgd.py).
 from dataclasses import dataclass
 
 from .codecs.base import kernels
+from .push_plan import UPDATE
 
 
 @dataclass(frozen=True)
@@ -27,15 +28,16 @@ def clip_bound(clip_gradient):
 
 
 def prepare_decode(transfer, num_workers, kernel=True):
-    """What the global update needs of a transfer whose sum it decodes (decode_in_update):
-    the codec's decode table (k, m, rows) for global_step_decoding, or None, with the
-    aggregate decoded into agg, when no kernel runs it or the transfer is a fused bucket.
-    Decoding the table advances the codec's shared state, as decode does."""
-    b = transfer.buffers
-    if not transfer.decode_in_update:
+    """What the global update needs of a transfer whose plan decodes its sum in the update
+    (push_plan.UPDATE): the codec's decode table (k, m, rows) for global_step_decoding, or
+    None, with the aggregate decoded into agg, when no kernel runs the update (the optimizer
+    changed since the push was planned). Decoding the table advances the codec's shared
+    state, as decode does."""
+    if transfer.plan.decode != UPDATE:
         return None
+    b = transfer.buffers
     lanes = transfer.exchange.recv.for_read()
-    if kernel and len(transfer.pushes) == 1:
+    if kernel:
         return b.codec.decode_table(lanes, b.size, num_workers)
     b.codec.decode(lanes, b.size, num_workers, out=b.agg.for_write())
     return None

@@ -298,7 +298,7 @@ def test_the_name_check_finds_a_missing_name():
     modules, classes = _modules(), _classes()
     assert resolve("Aggregator.push", modules, classes) is not None
     assert resolve("Aggregator.allreduce", modules, classes) is None
-    assert resolve("pipeline.Transfer.streamed", modules, classes) is not None
+    assert resolve("push_plan.Plan.encode", modules, classes) is not None
     assert resolve("nowhere.thing", modules, classes) is None
     assert resolve("EncodeJob.stat_width", modules, classes) is not None
     assert resolve("EncodeJob.no_such_field", modules, classes) is None

@@ -1,0 +1,216 @@
+"""One plan per push (push_plan.Plan): Planner.plan decides once where a push is encoded,
+decoded and checked for NaN/Inf; the transfer carries that plan, immutable, and the
+pipeline and the global update follow it. Runs on the NumPy backend, no framework."""
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+import numpy_engine
+from slimgc_mx import codecs
+from slimgc_mx.config import SlimGCConfig
+from slimgc_mx.grad_buf import FusedEncode, Push
+from slimgc_mx.pipeline import Pipeline, Transfer
+from slimgc_mx.planner import Planner
+from slimgc_mx.push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
+                                 FINITE_IN_RANGE, FULL, LOCAL_UPDATE, PIECES, UPDATE, Plan)
+from slimgc_mx.threshold import CTTab
+from slimgc_mx.transport import HostBuffer, ThreadGroup
+from thread_workers import in_threads
+
+OPT = (0.05, 0.9, 1e-4, 0.5)  # learning_rate, momentum, wd, rescale_grad
+#: numpy_engine.SHAPES in bytes: 12, 768, 8000, 28, 8448; from 256 bytes compressed
+COMPRESSED_KEYS, FULL_KEYS = {"key 1", "key 2", "key 4"}, {"key 0", "key 3"}
+
+
+def _plans(monkeypatch, config, steps=3, piece_bytes=0, optimizer=True):
+    """{(label, step): plan} of every transfer rank 0 submits in a 2-worker NumPy run."""
+    seen, lock = {}, threading.Lock()
+    submit = Pipeline.submit
+
+    def recording(self, transfer):
+        if self.transport.rank == 0:
+            with lock:
+                seen[transfer.label, transfer.step] = transfer.plan
+        return submit(self, transfer)
+
+    monkeypatch.setattr(Pipeline, "submit", recording)
+    w0, grads = numpy_engine.problem(2, steps, seed=5)
+    if optimizer:
+        in_threads(2, lambda rank, transport: numpy_engine._worker(
+            "numpy", transport, w0, grads, rank, OPT, dict(config, threshold=0.05)),
+            piece_bytes=piece_bytes)
+    else:
+        in_threads(2, lambda rank, transport: _sums(transport, w0, grads, rank, config))
+    return seen
+
+
+def _sums(transport, w0, grads, rank, config):
+    """No optimizer: every push is a plain sum over the workers."""
+    from slimgc_mx.aggregator import Aggregator
+    from slimgc_mx.numpy_backend import NumpyFramework
+    agg = Aggregator(SlimGCConfig(**config, threshold=0.05), transport,
+                     framework=NumpyFramework())
+    for k, w in enumerate(w0):
+        agg.add_key(k, w.copy())
+    for step_grads in grads:
+        for k, g in enumerate(step_grads[rank]):
+            agg.push(k, [g])
+        agg.flush()
+    agg.close(join=True)
+
+
+def _keys(seen, labels):
+    return {plan for (label, _), plan in seen.items() if label in labels}
+
+
+def test_a_compressed_push_with_backup_is_encoded_and_checked_in_its_local_update(monkeypatch):
+    seen = _plans(monkeypatch, dict(compressor="2bit", comm_threshold=256, backup=True))
+    assert _keys(seen, COMPRESSED_KEYS) == {
+        Plan(COMPRESSED, LOCAL_UPDATE, UPDATE, LOCAL_UPDATE, FINITE_IN_RANGE)}
+    full = {plan for (label, step), plan in seen.items() if label not in COMPRESSED_KEYS}
+    # step 0 per key, then the full-precision keys travel in a fused bucket
+    assert full == {Plan(FULL, None, None, ENCODER, FINITE),
+                    Plan(BUCKET, None, None, ENCODER, FINITE)}
+    assert any("(fused)" in label for label, _ in seen)
+
+
+def test_without_backup_the_encoder_encodes_and_checks(monkeypatch):
+    seen = _plans(monkeypatch, dict(compressor="2bit", comm_threshold=256, backup=False))
+    assert _keys(seen, COMPRESSED_KEYS) == {
+        Plan(COMPRESSED, ENCODER, UPDATE, ENCODER, FINITE_IN_RANGE)}
+
+
+class PiecedBuffer(HostBuffer):
+    """A host buffer that lends an array per piece, as MXNet's Buffer does (Buffer.pieces)."""
+
+    def pieces(self, bounds):
+        return [self.view(lo, (hi - lo,)) for lo, hi in bounds]
+
+
+def _planner(config, piece_bytes=0, device_codec=None):
+    """(a planner of one worker, its key 'w' of 10,000 elements)."""
+    transport = ThreadGroup(1, piece_bytes=piece_bytes).transport(0)
+    cfg = SlimGCConfig(**config)
+    planner = Planner(cfg, transport, codecs.create(cfg.compressor), CTTab("off"),
+                      PiecedBuffer, device_codec, lambda key, step: None, lambda key: None)
+    return planner, planner.add("w", (10000,))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_key_in_pieces_is_encoded_by_one_operator_per_piece(stream):
+    planner, b = _planner(dict(compressor="2bit", comm_threshold="off", stream=stream),
+                          piece_bytes=512)
+    plan = planner.plan(b, 0, decodes_in_update=lambda b: True, local_kernel=True)
+    if not stream:  # option stream off: the local update encodes the key whole
+        assert plan == Plan(COMPRESSED, LOCAL_UPDATE, UPDATE, LOCAL_UPDATE, FINITE_IN_RANGE)
+        return
+    assert (plan.encode, plan.decode, plan.grad_check) == (PIECES, UPDATE, LOCAL_UPDATE)
+    assert len(plan.pieces) > 1 and plan.pieces[-1].hi == b.size
+    transfer = planner.transfer(Push("w", b, 0, local=True), object(), lambda b: True,
+                                local_kernel=True)
+    assert transfer.plan.encode == PIECES and transfer.check is not None
+    # no local update to serve the encoder: the pipeline's encoder encodes and checks
+    assert planner.plan(b, 1, decodes_in_update=lambda b: True) == Plan(
+        COMPRESSED, ENCODER, UPDATE, ENCODER, FINITE_IN_RANGE)
+
+
+@pytest.mark.parametrize("name, encode, decode, rounds", [
+    ("qsgd", LOCAL_UPDATE, FINISHER, (0,)),  # fuses the local update, no decode table
+    ("topk", ENCODER, FINISHER, (0,)),  # no fused kernel: the local update counts NaN/Inf
+    ("gcomp", ENCODER, FINISHER, (0,)),  # reads the optimizer while encoding
+    ("powersgd", ENCODER, FINISHER, (0, 1)),  # two rounds
+])
+def test_the_codec_decides_where_it_encodes_and_decodes(monkeypatch, name, encode, decode,
+                                                         rounds):
+    seen = _plans(monkeypatch, dict(compressor=name, comm_threshold=256, backup=True), steps=2)
+    plans = _keys(seen, COMPRESSED_KEYS)
+    assert {(p.encode, p.decode, p.grad_check, p.sum_check) for p in plans} == {
+        (encode, decode, LOCAL_UPDATE, FINITE)}
+    assert {p.rounds for p in plans} >= {rounds}
+
+
+def test_the_warm_up_is_serial_and_checked_and_decoded_in_the_pipeline(monkeypatch):
+    seen = _plans(monkeypatch, dict(compressor="2bit", warmup_steps=4, backup=True), steps=5)
+    warm = [plan for (_, step), plan in seen.items() if step < 4]
+    assert warm and all(p.serial for p in warm)
+    assert {(p.encode, p.decode, p.grad_check) for p in warm if p.compressed} == {
+        (ENCODER, FINISHER, ENCODER)}
+    assert not any(p.serial for (_, step), p in seen.items() if step >= 4)
+
+
+def test_plain_sums_are_decoded_in_the_finisher(monkeypatch):
+    seen = _plans(monkeypatch, dict(compressor="2bit", comm_threshold=256), optimizer=False)
+    assert _keys(seen, COMPRESSED_KEYS) == {Plan(COMPRESSED, ENCODER, FINISHER, ENCODER, FINITE)}
+
+
+def test_small_compressed_keys_share_a_compressed_bucket(monkeypatch):
+    seen = _plans(monkeypatch, dict(compressor="2bit", comm_threshold=256, backup=True,
+                                    fuse_compressed=9000))
+    assert Plan(BUCKET, ENCODER, FINISHER, ENCODER, FINITE) in seen.values()
+
+
+def test_a_key_placed_on_the_device_is_encoded_checked_and_decoded_there():
+    device = object()
+    planner, b = _planner(dict(compressor="2bit", comm_threshold="off", offload=False),
+                          device_codec=lambda codec: device)
+    assert b.device is device
+    plan = planner.plan(b, 0, decodes_in_update=lambda b: True, local_kernel=True)
+    assert plan == Plan(COMPRESSED, DEVICE, DEVICE, DEVICE, FINITE)
+    transfer = planner.transfer(Push("w", b, 0, local=True), object(), lambda b: True,
+                                local_kernel=True)
+    assert transfer.plan == plan and transfer.check is None
+    assert transfer.ready_array() is transfer.exchange.send  # encoded on the training thread
+
+
+def test_the_plan_is_immutable_and_the_transfer_holds_no_route_flags():
+    plan = Plan(FULL, None, None, ENCODER, FINITE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.encode = ENCODER
+    fields = {f.name for f in dataclasses.fields(Transfer)}
+    assert "plan" in fields
+    assert not fields & {"compressed", "serial", "decode_in_update", "streamed", "wire_class"}
+
+
+@pytest.mark.parametrize("change", ["decode in the finisher", "encode in the encoder"])
+def test_the_pipeline_and_the_update_follow_the_plan(monkeypatch, change):
+    """A plan moved to another site is carried out there, with the same weights bit for
+    bit: the readers dispatch on the plan, they do not derive the conditions again."""
+    config = dict(compressor="2bit", comm_threshold=256, backup=True, threshold=0.05)
+    w0, grads = numpy_engine.problem(2, 3, seed=6)
+    want = numpy_engine.run("numpy", w0, grads, OPT, config)
+    plan = Planner.plan
+
+    def moved(self, *args, **kwargs):
+        p = plan(self, *args, **kwargs)
+        if p.route != COMPRESSED:
+            return p
+        if change == "decode in the finisher":
+            return dataclasses.replace(p, decode=FINISHER, sum_check=FINITE)
+        return dataclasses.replace(p, encode=ENCODER)
+
+    calls = {"decode": 0, "decode_table": 0, "fused": 0}
+    codec = type(codecs.create("2bit"))
+    for name in ("decode", "decode_table"):
+        def counted(self, *args, _name=name, _fn=getattr(codec, name), **kwargs):
+            calls[_name] += 1
+            return _fn(self, *args, **kwargs)
+        monkeypatch.setattr(codec, name, counted)
+    fused_call = FusedEncode.__call__
+
+    def fused(self, *args, **kwargs):
+        calls["fused"] += 1
+        return fused_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedEncode, "__call__", fused)
+    monkeypatch.setattr(Planner, "plan", moved)
+    got = numpy_engine.run("numpy", w0, grads, OPT, config)
+    for rank in range(2):
+        for step, (a, b) in enumerate(zip(got[rank][0], want[rank][0])):
+            for x, y in zip(a, b):
+                assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), step
+    if change == "decode in the finisher":
+        assert calls["decode"] > 0 and calls["decode_table"] == 0
+    else:
+        assert calls["fused"] == 0 and calls["decode_table"] > 0
