@@ -19,7 +19,8 @@ SSH_VAR = "SLIMGC_SSH"
 TERMINAL_VAR = "SLIMGC_TERMINAL"
 #: Where the benchmarks' mnist1d keeps its generated arrays (data_dir()).
 DATA_DIR_VAR = "SLIMGC_DATA_DIR"
-#: Read by scripts/run.sh only: the project venv and the Python that creates it.
+#: Read by the shell scripts only: the project venv (scripts/run.sh) and the Python that
+#: creates it (run.sh) or builds the kernels (scripts/device_setup.sh).
 VENV_VAR = "SLIMGC_VENV"
 PYTHON_VAR = "SLIMGC_PYTHON"
 #: Read by setup.py only: build the kernels without OpenMP.
