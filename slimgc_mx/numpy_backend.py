@@ -64,7 +64,8 @@ class SGDUpdate:
 
     @staticmethod
     def decodes_in_update(buffers):
-        return buffers.device is None and buffers.codec.decodes_by_table
+        """True when a host-encoded key's sum can be decoded inside the SGD kernel's update."""
+        return buffers.codec.decodes_by_table
 
     def codec_view(self, index, glo, step):
         def arrays():

@@ -6,7 +6,8 @@ the codec, the local update and the transport; the aggregator, the pipeline and 
 update only read it, each site of the work in one place that dispatches on it:
 
     encode   ENCODER       Pipeline._encode_one: the codec on the encoder thread
-             LOCAL_UPDATE  grad_buf.FusedEncode in the local update's pass over the gradient
+             LOCAL_UPDATE  Aggregator._fused_encoder: a grad_buf.FusedEncode that the local
+                           update runs in its pass over the gradient
              PIECES        the same, one engine operator per piece (a streamed push)
              DEVICE        Aggregator._submit: the device codec on the training thread
     decode   FINISHER      Pipeline._decode: the codec on the finisher thread

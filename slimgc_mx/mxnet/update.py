@@ -259,9 +259,9 @@ class GlobalUpdate:
         return sgd.SGDKernel(self.updater, self.num_threads)
 
     def decodes_in_update(self, buffers):
-        """True when a compressed key's sum can be decoded inside the SGD kernel's update."""
-        return (self.kernel is not None and buffers.device is None
-                and buffers.codec.decodes_by_table)
+        """True when a host-encoded key's sum can be decoded inside the SGD kernel's update
+        (Planner.plan asks it of keys the device codec does not encode)."""
+        return self.kernel is not None and buffers.codec.decodes_by_table
 
     def codec_view(self, index, glo, settings):
         """What a codec that wants_optimizer may read of key `index` at this push: glo
