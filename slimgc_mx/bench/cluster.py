@@ -1,13 +1,15 @@
 """Emulated-cluster benchmark: one network namespace per node, rate-limited veth links.
 
 Runs scripts/train.py through the launcher for several configurations side by side
-(MXNet fp32 and 2bit, SlimGC ablations, no communication) and measures throughput,
-bytes on the wire from each worker's interface counters, time composition and the
-threshold table. See docs/results.md for what every number means.
+(MXNet fp32 and 2bit, SlimGC ablations, no communication; PyTorch's DDP and its hooks,
+SlimGC's PyTorch adapter) and measures throughput, bytes on the wire from each worker's
+interface counters, time composition and the threshold table. See docs/results.md for
+what every number means, docs/benchmarks.md ("PyTorch") for the torch configurations.
 """
 import argparse
 import atexit
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -32,10 +34,21 @@ DESCRIPTION = ("emulated cluster (netns + veth + tc): throughput, wire bytes, ti
                "composition, CTTab, accuracy vs MXNet's own baselines")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
+TRAIN_TORCH = os.path.join(ROOT, "scripts", "train_torch.py")
 CODECS = ("1bit", "2bit", "4bit")
 ABLATIONS = ("classic", "cgopt", "offload", "full")
 #: Horovod's DistributedTrainer (optional: bash scripts/run.sh horovod) and its compression
 HOROVOD = {"horovod-fp32": "none", "horovod-fp16": "fp16"}
+#: PyTorch's DistributedDataParallel over Gloo and its hook (train_torch.py --compressor)
+TORCH_HOOKS = {"torch-ddp": "none", "torch-fp16": "fp16", "torch-powersgd": "powersgd"}
+#: PowerSGD's rank in both torch-powersgd and slimgc-torch-powersgd-* (the codec's default)
+POWERSGD_RANK = 4
+#: --configs torch: PyTorch's baselines beside SlimGC's adapter (2bit, and powersgd at the
+#: hook's rank), the workers alone last
+TORCH_CONFIGS = ["torch-ddp", "torch-fp16", "torch-powersgd", "slimgc-torch-2bit-full",
+                 "slimgc-torch-powersgd-full", "torch-no-comm"]
+#: The option that runs a configuration's job through PyTorch (scripts/train_torch.py)
+TORCH_ARGS = ["--framework", "torch"]
 
 
 # ---------------------------------------------------------------- configurations
@@ -56,20 +69,30 @@ def config_args(name: str) -> List[str]:
         return ["--kvstore", "local"]
     if name in HOROVOD:
         return ["--kvstore", "horovod", "--compressor", HOROVOD[name]]
+    if name in TORCH_HOOKS:
+        hook = TORCH_HOOKS[name]
+        return TORCH_ARGS + ["--kvstore", "ddp", "--compressor", hook] + (
+            ["--powersgd-rank", str(POWERSGD_RANK), "--bucket-cap-mb", "256"]
+            if hook == "powersgd" else [])
+    if name == "torch-no-comm":
+        return TORCH_ARGS + ["--kvstore", "local"]
     alone = re.fullmatch(r"([a-z0-9]+)(\[[^\]]*\])?-alone", name)
     if alone:  # the codec as the paper ran its baselines: everything compressed, no strategy
         name = "slimgc-%s%s-classic" % (alone.group(1), alone.group(2) or "")
-    m = re.fullmatch(r"slimgc-([a-z0-9]+)(?:\[([^\]]*)\])?-(classic|cgopt|offload|full)"
-                     r"(-nofuse|-cupcake)?", name)
-    if not m or m.group(1) not in available_codecs():
-        raise ValueError("unknown configuration %r; valid: %s, %s, slimgc-CODEC-STEP and "
-                         "CODEC-alone for the codecs %s (options in brackets: "
+    m = re.fullmatch(r"slimgc-(torch-)?([a-z0-9]+)(?:\[([^\]]*)\])?-"
+                     r"(classic|cgopt|offload|full)(-nofuse|-cupcake)?", name)
+    if not m or m.group(2) not in available_codecs():
+        raise ValueError("unknown configuration %r; valid: %s, %s, %s, slimgc-CODEC-STEP and "
+                         "CODEC-alone for the codecs %s (slimgc-torch-CODEC-STEP: through "
+                         "SlimGC's PyTorch adapter; options in brackets: "
                          "slimgc-topk[ratio=0.1]-full; a slimgc one may end in -nofuse, or in "
                          "-cupcake for fuse_compressed=auto)"
                          % (name, ", ".join(all_configs()), ", ".join(HOROVOD),
+                            ", ".join(TORCH_HOOKS) + ", torch-no-comm",
                             ", ".join(available_codecs())))
-    codec, options, step, fusion = m.groups()
-    args = ["--kvstore", "slimgc", "--compressor", codec, "--threshold", "0.5"]
+    torch_job, codec, options, step, fusion = m.groups()
+    args = (TORCH_ARGS if torch_job else []) + ["--kvstore", "slimgc", "--compressor", codec,
+                                                "--threshold", "0.5"]
     for option in filter(None, (options or "").split(";")):
         args += ["--codec-option", option]
     args += {"classic": ["--comm-threshold", "off", "--no-offload", "--no-backup"],
@@ -85,6 +108,24 @@ def uses_slimgc(name: str) -> bool:
     return "slimgc" in config_args(name)
 
 
+def uses_torch(name: str) -> bool:
+    """True for a configuration whose job runs through PyTorch (train.py --framework torch)."""
+    return _torch_args(config_args(name))
+
+
+def _torch_args(train_args: List[str]) -> bool:
+    """True when train.py arguments hold --framework torch (the last --framework wins)."""
+    found = [train_args[i + 1] for i, a in enumerate(train_args[:-1]) if a == "--framework"]
+    found += [a.split("=", 1)[1] for a in train_args if a.startswith("--framework=")]
+    return bool(found) and found[-1] == "torch"
+
+
+def torch_all_configs() -> List[str]:
+    """--configs torch-all: PyTorch's baselines and every codec through SlimGC's adapter."""
+    return (TORCH_CONFIGS[:3] + ["slimgc-torch-%s-full" % c for c in available_codecs()
+                                 if c != "none"] + ["torch-no-comm"])
+
+
 def all_configs(codecs=CODECS) -> List[str]:
     """Every configuration, baselines first, ablations in order within each codec."""
     names = ["fp32", "mxnet-2bit"]
@@ -94,13 +135,19 @@ def all_configs(codecs=CODECS) -> List[str]:
 
 
 def parse_configs(text: str, codecs) -> List[str]:
-    """--configs: 'all', or a comma list of names; 'slimgc-2bit' expands to its 4 ablations."""
+    """--configs: 'all', or a comma list of names; 'slimgc-2bit' and 'slimgc-torch-2bit'
+    expand to their 4 ablations, 'torch' to TORCH_CONFIGS, 'torch-all' to
+    torch_all_configs()."""
     if text == "all":
         return all_configs(codecs)
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
-        if re.fullmatch(r"slimgc-[a-z0-9]+(\[[^\]]*\])?", item):
-            out += ["%s-%s" % (item, a) for a in ABLATIONS]
+        if item in ("torch", "torch-all"):
+            out += TORCH_CONFIGS if item == "torch" else torch_all_configs()
+        elif re.fullmatch(r"slimgc-(torch-)?[a-z0-9]+(\[[^\]]*\])?", item):
+            expanded = ["%s-%s" % (item, a) for a in ABLATIONS]
+            config_args(expanded[0])
+            out += expanded
         else:
             config_args(item)
             out.append(item)
@@ -134,7 +181,8 @@ class _Probe:
         self.calls, self.stamps, self.snaps = 0, [], {}
 
     def snapshot(self, trainer):
-        kv = getattr(trainer, "_kvstore", None)
+        # gluon.Trainer's kvstore, or the optimizer itself (SlimGC's PyTorch adapter)
+        kv = getattr(trainer, "_kvstore", trainer)
         stats = kv.stats() if callable(getattr(kv, "stats", None)) else None
         t = os.times()
         return {"time": time.perf_counter(), "net": _netdev(self.iface),
@@ -187,14 +235,16 @@ def _report_server_memory(probe_dir: str, index: int):
 
 def run_job(argv: List[str]) -> int:
     """`_job PROBE_JSON START STEPS IFACE -- TRAIN_ARGS`: what every node runs."""
-    if os.environ.get("DMLC_ROLE") == "server":
-        _report_server_memory(os.path.dirname(argv[0]), launch_index() or 0)
-    import mxnet  # noqa: F401  (scheduler and servers run their loop here and exit)
-    probe_path, start, steps, iface = argv[0], int(argv[1]), int(argv[2]), argv[3]
     train_args = argv[argv.index("--") + 1:]
+    torch_job = _torch_args(train_args)
+    if not torch_job:  # (a torch worker's peak memory holds no MXNet)
+        if os.environ.get("DMLC_ROLE") == "server":
+            _report_server_memory(os.path.dirname(argv[0]), launch_index() or 0)
+        import mxnet  # noqa: F401  (scheduler and servers run their loop here and exit)
+    probe_path, start, steps, iface = argv[0], int(argv[1]), int(argv[2]), argv[3]
     probe = _Probe(start, steps, iface)
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("slimgc_train_job", TRAIN)
+    spec = importlib.util.spec_from_file_location("slimgc_train_job",
+                                                  TRAIN_TORCH if torch_job else TRAIN)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     result = train.main(train_args, on_step=probe.on_step)
@@ -250,19 +300,20 @@ ENGINE_THREADS = launch.ENGINE_THREADS_VAR
 
 def build_tasks(cluster: Optional[NetnsCluster], workers: int, servers: int,
                 command: List[str], comm: bool, stock_servers: bool = False,
-                rendezvous=None) -> List[launch.Task]:
+                rendezvous=None, torch_job: bool = False) -> List[launch.Task]:
     """The launcher's plan: `--launcher netns` in the harness's namespaces, or local.
 
     stock_servers: drop the launcher's zero-filled-heap variables from the servers, so that
     MXNet-only baselines (float32 pushes, which that fix does not concern) run as they would
     without slimgc_mx and do not pay its cost. rendezvous (a horovod.Rendezvous): workers
-    only, each with Horovod's environment.
+    only, each with Horovod's environment. torch_job: the launcher's --framework torch,
+    workers only with torch.distributed's variables, Gloo on the workers' links.
     """
     if comm:
         mode = ["--launcher", "netns", "--bandwidth", cluster.bandwidth or "none"] \
             if cluster is not None else ["--launcher", "local"]
-        args = launch.parse_args(["-n", str(workers), "-s", str(servers)] + mode + ["--"]
-                                 + command)
+        who = ["--framework", "torch"] if torch_job else ["-s", str(servers)]
+        args = launch.parse_args(["-n", str(workers)] + who + mode + ["--"] + command)
         plan = launch.build_plan(args, cluster)
         if stock_servers:
             for t in plan:
@@ -331,9 +382,10 @@ def run_config(name: str, opts, cluster: Optional[NetnsCluster], outdir: str,
     rendezvous = None
     if name in HOROVOD:
         rendezvous = stack.enter_context(horovod_rendezvous(cluster, opts.workers))
-    comm = name != "no-comm" and rendezvous is None
+    comm = name not in ("no-comm", "torch-no-comm") and rendezvous is None
     plan = build_tasks(cluster, opts.workers, opts.servers, command, comm,
-                       stock_servers=not uses_slimgc(name), rendezvous=rendezvous)
+                       stock_servers=not uses_slimgc(name), rendezvous=rendezvous,
+                       torch_job=uses_torch(name))
     env = {"SLIMGC_WARMUP_STEPS": str(opts.slimgc_warmup)}
     env["OMP_NUM_THREADS"] = str(opts.threads)
     for t in plan:
@@ -503,10 +555,15 @@ def machine_info() -> dict:
         mxv = mxnet.__version__
     except Exception:  # noqa: BLE001  (information only)
         mxv = None
+    try:  # (not imported: this process stays small)
+        from importlib.metadata import version
+        torchv = version("torch")
+    except Exception:  # noqa: BLE001  (information only)
+        torchv = None
     return {"cpu": model, "logical_cpus": os.cpu_count(),
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "memory_bytes": mem, "kernel": platform.release(), "python": platform.python_version(),
-            "mxnet": mxv}
+            "mxnet": mxv, "torch": torchv}
 
 
 # ---------------------------------------------------------------- command line
@@ -520,12 +577,22 @@ def parse_args(argv, prog):
                "1bit/2bit/4bit (classic: compress all, no offload, no backup; cgopt: + threshold "
                "table; offload: + CPU codecs; full: + model backup; any of them + '-nofuse': "
                "full-precision tensors sent one by one), no-comm (the workers train "
-               "concurrently with --kvstore local).\n\nexamples:\n"
+               "concurrently with --kvstore local). PyTorch (scripts/train.py --framework torch, "
+               "workers only, torch.distributed over Gloo on the same links): torch-ddp (DDP "
+               "fp32), torch-fp16 (its fp16_compress_hook), torch-powersgd (its PowerSGD hook, "
+               "rank 4, one bucket: bucket_cap_mb=256, as with several it deadlocks over "
+               "Gloo), slimgc-torch-CODEC-STEP (SlimGC's DistributedOptimizer, steps as above), "
+               "torch-no-comm; 'torch' runs torch-ddp, torch-fp16, torch-powersgd, "
+               "slimgc-torch-2bit-full, slimgc-torch-powersgd-full (rank 4) and torch-no-comm, "
+               "'torch-all' every codec's slimgc-torch-CODEC-full instead of those two.\n\n"
+               "examples:\n"
                "  %(prog)s --model vgg --workers 2 --bandwidth 1gbit --configs fp32,mxnet-2bit,"
                "slimgc-2bit,no-comm\n"
                "  %(prog)s --mode accuracy --model cnn1d --dataset mnist1d --workers 4 "
                "--configs fp32,slimgc-2bit-classic,slimgc-2bit-cgopt,slimgc-2bit-full "
                "--epochs 10 --seeds 0,1,2 --no-netns\n"
+               "  %(prog)s --model fc --dataset synthetic-cifar --workers 2 --configs "
+               "torch,slimgc-2bit-full --repeats 3\n"
                "  %(prog)s --cleanup        # delete namespaces left by a killed run")
     p.add_argument("--mode", choices=("throughput", "accuracy"), default="throughput",
                    help="throughput: timed steps after a warm-up; accuracy: full epochs, test "
@@ -541,7 +608,8 @@ def parse_args(argv, prog):
     p.add_argument("--delay", default=None,
                    help="extra one-way delay on every node's egress, e.g. 0.1ms (default: none)")
     p.add_argument("--configs", default="fp32,mxnet-2bit,slimgc-2bit,no-comm",
-                   help="'all' or a comma list; slimgc-CODEC expands to its 4 ablation steps "
+                   help="'all' or a comma list; slimgc-CODEC and slimgc-torch-CODEC expand "
+                        "to their 4 ablation steps, 'torch' and 'torch-all' to PyTorch's set "
                         "(default: %(default)s)")
     p.add_argument("--codecs", default="1bit,2bit,4bit",
                    help="codecs that --configs all covers (default: %(default)s)")
@@ -662,6 +730,12 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
                   "installs it)" % ", ".join(skipped), file=sys.stderr)
             opts.config_list = [c for c in opts.config_list if c not in HOROVOD]
             opts.labels = [l for l in opts.labels if l.split("@")[0] not in HOROVOD]
+    if any(uses_torch(c) for c in opts.config_list) and importlib.util.find_spec("torch") is None:
+        skipped = [c for c in opts.config_list if uses_torch(c)]
+        print("NOTE: PyTorch is not installed; skipping %s" % ", ".join(skipped),
+              file=sys.stderr)
+        opts.config_list = [c for c in opts.config_list if not uses_torch(c)]
+        opts.labels = [l for l in opts.labels if not uses_torch(l.split("@")[0])]
     netns_note = None
     use_netns = not opts.no_netns
     if use_netns:
@@ -764,7 +838,8 @@ def main(argv=None, prog="python -m slimgc_mx.bench cluster"):
         print("wrote %s" % os.path.join(opts.out, "summary.json"), flush=True)
     if opts.mode == "throughput" and results:
         print(format_table(summary))
-        for line in format_build_ratios(summary.get("build_ratios") or {}):
+        for line in format_torch_ratios(summary) + format_build_ratios(
+                summary.get("build_ratios") or {}):
             print(line)
     return status
 
@@ -825,18 +900,50 @@ def add_derived(summary: dict):
         return (by.get(name) or {}).get("samples_per_s_per_worker")
 
     hvd = max((thr(h) for h in HOROVOD if thr(h)), default=None)
-    compute = ((by.get("no-comm") or {}).get("step_s") or {}).get("median")
-    cpu_nocomm = (by.get("no-comm") or {}).get("cpu_s_per_step_per_worker")
+    hook = max((thr(h) for h in TORCH_HOOKS if thr(h)), default=None)
+
+    def alone(name):  # a row's own framework's no-comm: its compute time and CPU-seconds
+        nocomm = by.get("torch-no-comm" if _is_torch(name) else "no-comm") or {}
+        return (nocomm.get("step_s") or {}).get("median"), nocomm.get("cpu_s_per_step_per_worker")
     for r in summary["results"]:
         if not r.get("ok"):
             continue
         s = r.get("samples_per_s_per_worker")
         r["vs"] = {b: (s / thr(b) if s and thr(b) else None) for b in ("mxnet-2bit", "fp32", "no-comm")}
         r["vs"]["horovod"] = s / hvd if s and hvd else None  # the better of fp32 and fp16
+        for b in ("torch-ddp", "torch-powersgd", "torch-no-comm"):
+            r["vs"][b] = s / thr(b) if s and thr(b) else None
+        r["vs"]["torch-hook"] = s / hook if s and hook else None  # the best of DDP's three
+        compute, cpu_nocomm = alone(r["config"])
         cpu = r.get("cpu_s_per_step_per_worker")
         r["cpu_vs_no_comm"] = cpu / cpu_nocomm if cpu and cpu_nocomm else None
         bw = summary.get("bandwidth")
         r["time_composition_s"] = time_composition(r, compute, rate_bits(bw) if bw else None)
+
+
+def _is_torch(name: str) -> bool:
+    """uses_torch() for a row's config (CONFIG or CONFIG@BUILD), False for one not known."""
+    try:
+        return uses_torch(name.split("@")[0])
+    except ValueError:
+        return False
+
+
+def format_torch_ratios(summary: dict) -> List[str]:
+    """A line per SlimGC-on-PyTorch row: its samples/s over DDP's, the best hook's, PowerSGD's
+    and torch-no-comm's (issue 31's targets), when those rows are there."""
+    lines = []
+    for r in summary["results"]:
+        vs = r.get("vs") or {}
+        if not r.get("ok") or not r["config"].startswith("slimgc-torch-"):
+            continue
+        parts = ["%.2fx %s" % (vs[k], label) for k, label in (
+            ("torch-ddp", "torch-ddp"), ("torch-hook", "the best PyTorch hook"),
+            ("torch-powersgd", "torch-powersgd"), ("torch-no-comm", "torch-no-comm"))
+            if vs.get(k)]
+        if parts:
+            lines.append("%s: %s" % (r["config"], ", ".join(parts)))
+    return lines
 
 
 def format_table(summary: dict) -> str:

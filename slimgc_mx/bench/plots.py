@@ -60,8 +60,9 @@ def _ok(summary):
 
 def is_baseline(config):
     """True for the configurations SlimGC is compared against (drawn grey): MXNet's own,
-    Horovod's and the no-communication run."""
-    return config in ("fp32", "mxnet-2bit", "no-comm") or config.startswith("horovod-")
+    Horovod's, PyTorch's (DDP and its hooks) and the no-communication runs."""
+    return (config in ("fp32", "mxnet-2bit", "no-comm")
+            or config.startswith(("horovod-", "torch-")))
 
 
 def throughput(summary, path):
