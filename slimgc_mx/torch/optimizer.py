@@ -186,6 +186,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return report(self._agg, self._agg.config.compressor, 0)
 
     @property
+    def cttab(self):
+        """The CTTab (threshold.CTTab): its rows, BestCT and save(prefix) for the table files."""
+        return self._agg.cttab
+
+    @property
     def rank(self):
         return self._transport.rank
 
