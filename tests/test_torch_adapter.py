@@ -70,9 +70,11 @@ def test_restart_drill_ends_with_the_uninterrupted_weights(tmp_path):
     straight, killed = tmp_path / "a", tmp_path / "b"
     straight.mkdir(), killed.mkdir()
     run_ok("restart.py", straight, "straight")
-    run_ok("restart.py", killed, "kill", extra=("--max-restarts", "1"))
+    # a restart may itself fail to connect on a loaded machine (Gloo's connect retries are
+    # few): a second restart resumes from the same checkpoints
+    run_ok("restart.py", killed, "kill", extra=("--max-restarts", "3"))
     a, b = results(straight, "restart"), results(killed, "restart")
-    assert b[0]["attempt"] == 1  # the job did restart
+    assert b[0]["attempt"] >= 1  # the job did restart
     assert a[0]["weights"] == b[0]["weights"] == b[1]["weights"]
 
 
