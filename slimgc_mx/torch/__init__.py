@@ -8,6 +8,6 @@ The adapter over the backend protocol (docs/backend.md): collective.py (torch.di
 framework.py (host buffers, gradients in, the optimizer's own rule), optimizer.py (the API).
 It imports no MXNet.
 """
-from .optimizer import DistributedOptimizer, flush
+from .optimizer import DistributedOptimizer, flush, init_process_group
 
-__all__ = ["DistributedOptimizer", "flush"]
+__all__ = ["DistributedOptimizer", "flush", "init_process_group"]

@@ -6,6 +6,7 @@ in flight) must live in the optimizer. step() hands each parameter's gradient to
 with backup the parameter gets loc_buf (this rank's gradient applied to glo_buf by the
 optimizer's own rule) at once, and glo_buf gets the mean gradient's step when the sum arrives.
 """
+import datetime
 import os
 
 import torch
@@ -33,13 +34,37 @@ def _split_options(options):
     return settings
 
 
+def init_process_group(backend="gloo", timeout=None):
+    """torch.distributed's default group from the launcher's variables (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), its keys under one prefix per torchrun attempt: a group
+    made again after a restart must not find the dead attempt's addresses in the store
+    (torchrun's store outlives its workers). Does nothing when a group exists."""
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        raise RuntimeError("torch.distributed's variables %s are not set: start the job with "
+                           "torchrun (or set them)" % ", ".join(missing))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    span = datetime.timedelta(seconds=timeout or 1800)
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not hosted, timeout=span)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore("slimgc/attempt_%s" % attempt,
+                                                            store),
+                            rank=rank, world_size=world, timeout=span)
+
+
 def _init_process_group():
-    """torch.distributed from the launcher's variables (torchrun's), or None alone."""
+    """True once torch.distributed is initialized (from the launcher's variables when the
+    script has not), False for a job of one (no WORLD_SIZE)."""
     if dist.is_initialized():
         return True
     if "WORLD_SIZE" not in os.environ:
         return False
-    dist.init_process_group(backend="gloo")
+    init_process_group()
     return True
 
 

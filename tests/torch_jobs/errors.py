@@ -1,4 +1,5 @@
-"""A rank of a job that goes wrong in one way (argv[2]); records the error each rank raised."""
+"""A rank of jobs that go wrong, one way per case of a comma list (argv[2]), one after the
+other in the same process group; records the error each rank raised in each case."""
 import sys
 
 import torch
@@ -7,11 +8,12 @@ import torch.distributed as dist
 import slimgc_mx.torch as slimgc
 from common import batch, model, record
 
-out, case = sys.argv[1], sys.argv[2]
+out, cases = sys.argv[1], sys.argv[2].split(",")
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-error = None
-try:
+
+
+def run(case):
     net = model(hidden=300 if case != "model" or rank == 0 else 301)
     options = dict(compression="2bit", comm_threshold=0, warmup_steps=2)
     if case == "options" and rank == 1:
@@ -26,6 +28,12 @@ try:
             net[3].weight.grad[0, 0] = float("nan")
         opt.step()
     slimgc.flush(opt)
-except Exception as exc:  # recorded for the test
-    error = "%s: %s" % (type(exc).__name__, exc)
-record(out, "errors", rank, error=error)
+
+
+for case in cases:
+    error = None
+    try:
+        run(case)
+    except Exception as exc:  # recorded for the test
+        error = "%s: %s" % (type(exc).__name__, exc)
+    record(out, "errors-" + case, rank, error=error)

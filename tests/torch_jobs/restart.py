@@ -13,7 +13,7 @@ from common import batch, model, record, weights
 
 out, kill = sys.argv[1], sys.argv[2] == "kill"
 STEPS = 12
-dist.init_process_group("gloo")
+slimgc.init_process_group()
 rank = dist.get_rank()
 net = model()
 opt = slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),

@@ -1,6 +1,6 @@
-"""A rank trains 10 steps taking state_dict() after step 5, either on (`straight`) or
-restarting from it in fresh objects (`resumed`, via torch.save/torch.load weights_only),
-and records the weights. With a checkpoint's flush in both, the two must agree bitwise."""
+"""A rank trains 10 steps taking state_dict() after step 5 twice: going on (`straight`), and
+restarting from it in fresh objects (`resumed`, via torch.save/torch.load weights_only);
+records both weights. With a checkpoint's flush in both, the two must agree bitwise."""
 import os
 import sys
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 import slimgc_mx.torch as slimgc
 from common import batch, model, record, weights
 
-out, mode, codec = sys.argv[1], sys.argv[2], sys.argv[3]
-backup = sys.argv[4] == "backup"
+out, codec = sys.argv[1], sys.argv[2]
+backup = sys.argv[3] == "backup"
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
@@ -34,20 +34,25 @@ def train(net, opt, sched, steps):
         sched.step()
 
 
-net, opt, sched = make()
-train(net, opt, sched, range(5))
-path = os.path.join(out, "state_%d.pt" % rank)
-torch.save({"slimgc": opt.state_dict(), "model": net.state_dict(),
-            "sched": sched.state_dict()}, path)
-if mode == "resumed":
+def run(mode):
+    net, opt, sched = make()
+    train(net, opt, sched, range(5))
+    path = os.path.join(out, "state_%s_%d.pt" % (mode, rank))
+    torch.save({"slimgc": opt.state_dict(), "model": net.state_dict(),
+                "sched": sched.state_dict()}, path)
+    if mode == "resumed":
+        opt.close()
+        net, opt, sched = make(seed=1)  # other initial weights: all must come from the file
+        saved = torch.load(path, weights_only=True)
+        net.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["slimgc"])
+        sched.load_state_dict(saved["sched"])
+    train(net, opt, sched, range(5, 10))
+    slimgc.flush(opt)
+    record(out, mode, rank, weights=weights(net).tolist())
     opt.close()
-    net, opt, sched = make(seed=1)  # other initial weights: all must come from the file
-    saved = torch.load(path, weights_only=True)
-    net.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["slimgc"])
-    sched.load_state_dict(saved["sched"])
-train(net, opt, sched, range(5, 10))
-slimgc.flush(opt)
-record(out, mode, rank, weights=weights(net).tolist())
-opt.close()
+
+
+run("straight")
+run("resumed")
 dist.destroy_process_group()
