@@ -123,6 +123,7 @@ class TorchUpdate:
         self._num_workers = num_workers
         self._shadow = {}  # index -> optimizer instance over the glo_buf tensor
         self._local = {}  # index -> optimizer instance over the parameter (local update)
+        self._scratch = {}  # index -> the local step's copies of the global state tensors
         self._pending_states = {}  # index -> a checkpoint's state, loaded at first use
 
     def settings(self, index):
@@ -179,9 +180,7 @@ class TorchUpdate:
             self._local[index] = local
         current = StepSettings.of(self.optimizer).groups[self._group_of[index]]
         local.param_groups[0].update(dict(current))
-        local.state[param] = {k: (v.to(param.device, copy=True) if torch.is_tensor(v)
-                                  and v.shape == param.shape else copy.deepcopy(v))
-                              for k, v in state.items()}
+        local.state[param] = self._local_state(index, param, state)
         with torch.no_grad():
             # blocking: glo_buf may be overwritten as soon as this returns
             param.copy_(tensor_of(glo, param.shape))
@@ -190,6 +189,23 @@ class TorchUpdate:
             local.step()
         param.grad = saved
         local.state.pop(param, None)
+
+    def _local_state(self, index, param, state):
+        """A copy of the global state for the local step: tensors of the parameter's shape
+        copied into buffers kept per key on its device (allocating them each step costs
+        several times the copy), the rest (step counts) copied anew."""
+        scratch = self._scratch.setdefault(index, {})
+        out = {}
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.shape == param.shape:
+                buf = scratch.get(k)
+                if buf is None:
+                    buf = scratch[k] = torch.empty_like(v, device=param.device)
+                buf.copy_(v)
+                out[k] = buf
+            else:
+                out[k] = copy.deepcopy(v)
+        return out
 
     def check_state(self, state, where):
         """Raise ValueError unless `state` (a state()) is of this optimizer's class."""
