@@ -178,17 +178,48 @@ class TorchUpdate:
                      if k != "params"}
             local = type(self.optimizer)([param], **_constructor_args(self.optimizer, group))
             self._local[index] = local
-        current = StepSettings.of(self.optimizer).groups[self._group_of[index]]
-        local.param_groups[0].update(dict(current))
-        local.state[param] = self._local_state(index, param, state)
+        current = dict(StepSettings.of(self.optimizer).groups[self._group_of[index]])
         with torch.no_grad():
             # blocking: glo_buf may be overwritten as soon as this returns
             param.copy_(tensor_of(glo, param.shape))
+            if _plain_sgd(self.optimizer, current):
+                self._sgd_local(index, param, grad, state.get("momentum_buffer"), current)
+                return
+        local.param_groups[0].update(current)
+        local.state[param] = self._local_state(index, param, state)
         saved, param.grad = param.grad, grad
         with torch.no_grad():
             local.step()
         param.grad = saved
         local.state.pop(param, None)
+
+    def _sgd_local(self, index, param, grad, momentum_buffer, group):
+        """torch.optim.SGD's rule on the parameter (which holds glo_buf), op for op as its
+        single-tensor step, without allocating: the weight-decayed gradient and the momentum
+        go into buffers kept per key, the global momentum is read, not written."""
+        scratch = self._scratch.setdefault(index, {})
+
+        def buffer(name):
+            if name not in scratch:
+                scratch[name] = torch.empty_like(param)
+            return scratch[name]
+
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        d = grad
+        if wd != 0:
+            d = torch.add(grad, param, alpha=wd, out=buffer("d"))
+        if mu != 0:
+            if momentum_buffer is None:  # the first step: the buffer is the gradient
+                buf = d
+            else:
+                buf = buffer("momentum_buffer")
+                buf.copy_(momentum_buffer)
+                buf.mul_(mu).add_(d, alpha=1 - group["dampening"])
+            if group["nesterov"]:
+                d = torch.add(d, buf, alpha=mu, out=buffer("d"))
+            else:
+                d = buf
+        param.add_(d, alpha=-lr)
 
     def _local_state(self, index, param, state):
         """A copy of the global state for the local step: tensors of the parameter's shape
@@ -225,6 +256,13 @@ class TorchUpdate:
         for index in list(self._pending_states):
             if index in self._shadow:
                 self._shadow[index].load_state_dict(self._pending_states.pop(index))
+
+
+def _plain_sgd(optimizer, group):
+    """True for torch.optim.SGD itself with settings its single-tensor rule covers as
+    TorchUpdate._sgd_local writes it (not maximize or differentiable)."""
+    return (type(optimizer) is torch.optim.SGD and not group.get("maximize")
+            and not group.get("differentiable"))
 
 
 def _constructor_args(optimizer, group):
