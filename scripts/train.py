@@ -53,7 +53,7 @@ import slimgc_mx  # noqa: E402  (registers the kvstore; imports nothing else)
 import slimgc_mx.resume  # noqa: E402
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.bench import datasets, models  # noqa: E402
-from slimgc_mx.bench.jobtools import (codec_options, comm_threshold,  # noqa: E402
+from slimgc_mx.bench.jobtools import (codec_options, comm_threshold, load_shard,  # noqa: E402
                                       positive_int, progress_bar, summary_line, write_results)
 
 KVSTORES = ("slimgc", "dist_sync", "horovod", "local")
@@ -292,15 +292,7 @@ def main(argv=None, on_step=None):
     num_workers = kv.num_workers if kv is not None else hvd.size() if hvd else 1
     is_root = rank == 0
 
-    layout = "image" if args.model in ("resnet20", "vgg") else "flat"
-    data = datasets.load(args.dataset, rank=rank, num_workers=num_workers, seed=args.seed,
-                         layout=layout, num_train=args.num_train, image_size=args.image_size)
-    steps = data.steps_per_epoch(args.batch_size)
-    if steps == 0:
-        sys.exit("batch size %d is larger than a worker's shard (%d samples)"
-                 % (args.batch_size, data.num_train_total // num_workers))
-    if args.steps:
-        steps = min(steps, args.steps)
+    data, steps = load_shard(args, rank, num_workers)
 
     # Same initial weights everywhere: seeded init, materialized by one forward pass.
     net = models.get_model(args.model, data.num_classes, data.input_shape)

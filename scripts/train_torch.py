@@ -29,8 +29,9 @@ if ROOT not in sys.path:
 
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.bench import datasets, torch_models  # noqa: E402
-from slimgc_mx.bench.jobtools import (codec_options, comm_threshold, positive_int,  # noqa: E402
-                                      progress_bar, summary_line, write_results)
+from slimgc_mx.bench.jobtools import (codec_options, comm_threshold, load_shard,  # noqa: E402
+                                      positive_int, progress_bar, summary_line,
+                                      write_results)
 
 KVSTORES = ("slimgc", "ddp", "local")
 #: What DDP takes as --compressor: plain fp32 allreduce, or one of its communication hooks.
@@ -259,15 +260,7 @@ def main(argv=None, on_step=None):
     rank, num_workers = init_distributed(args)
     is_root = rank == 0
 
-    layout = "image" if args.model in ("resnet20", "vgg") else "flat"
-    data = datasets.load(args.dataset, rank=rank, num_workers=num_workers, seed=args.seed,
-                         layout=layout, num_train=args.num_train, image_size=args.image_size)
-    steps = data.steps_per_epoch(args.batch_size)
-    if steps == 0:
-        sys.exit("batch size %d is larger than a worker's shard (%d samples)"
-                 % (args.batch_size, data.num_train_total // num_workers))
-    if args.steps:
-        steps = min(steps, args.steps)
+    data, steps = load_shard(args, rank, num_workers)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     net = torch_models.get_model(args.model, data.num_classes, data.input_shape)

@@ -8,6 +8,22 @@ import sys
 import numpy as np
 
 
+def load_shard(args, rank, num_workers):
+    """(this worker's shard of --dataset, steps per epoch): the batches it holds, at most
+    --steps; exits naming the sizes when a batch is larger than the shard."""
+    from . import datasets
+    layout = "image" if args.model in ("resnet20", "vgg") else "flat"
+    data = datasets.load(args.dataset, rank=rank, num_workers=num_workers, seed=args.seed,
+                         layout=layout, num_train=args.num_train, image_size=args.image_size)
+    steps = data.steps_per_epoch(args.batch_size)
+    if steps == 0:
+        sys.exit("batch size %d is larger than a worker's shard (%d samples)"
+                 % (args.batch_size, data.num_train_total // num_workers))
+    if args.steps:
+        steps = min(steps, args.steps)
+    return data, steps
+
+
 def comm_threshold(text):
     """--comm-threshold: 'auto', 'off', a size in bytes, or a saved CTTab decision (.json)."""
     t = text.strip()
