@@ -18,10 +18,6 @@ import torch
 
 from ..transport.host import HostBuffer, HostReadiness
 
-#: Optimizers whose rule the global update runs (any torch.optim.Optimizer whose state is
-#: per parameter works; these are the tested ones).
-TESTED = ("SGD", "Adam", "AdamW")
-
 
 def host_buffer(shape, pinned=False):
     """A HostBuffer of float32 zeros; `pinned`: in page-locked memory (CUDA copies overlap)."""
