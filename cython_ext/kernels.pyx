@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False
 """nogil kernels: the lane codecs' encoder (one block driver, per-codec level functions),
-the lane decoder, and MXNet SGD's update.
+the lane decoder, and the SGD updates of MXNet and PyTorch (sgd_torch.pxi).
 
 Every kernel takes caller-provided outputs and a thread count, and splits its work
 into fixed chunks (slimgc_mx/codecs/layout.py), so 1 thread and N threads give bitwise
@@ -739,3 +739,6 @@ def decode_sgd_step(const double[::1] lanes, const float[::1] rows, Py_ssize_t k
         for c in prange(n_chunks, schedule="static", num_threads=_team(num_threads, n_chunks)):
             _dec_sgd(ln, tb, c * CHUNK_LANES, min((c + 1) * CHUNK_LANES, n_lanes), n, k, m, &dv,
                      w, mo, lr, wd, rescale, momentum, clip)
+
+
+include "sgd_torch.pxi"

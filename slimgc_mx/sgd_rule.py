@@ -1,11 +1,14 @@
-"""MXNet SGD's update rule on host arrays, as the Cython kernels run it: one place for
-the kernel calls that every framework's SGD shares (sgd.SGDKernel for MXNet's optimizer,
-numpy_backend for plain settings).
+"""SGD's update rules on host arrays, as the Cython kernels run them: one place for the
+kernel calls that every framework's SGD shares (sgd.SGDKernel for MXNet's optimizer,
+numpy_backend for plain settings), and the NumPy reference of PyTorch's rule, the oracle
+of its kernel (kernels.TorchSGD, which torch/framework.py runs).
 
 The kernels compute the float32 expressions of MXNet's sgd_update / sgd_mom_update, so
 weights are bitwise those of MXNet's own SGD (tests/test_sgd.py).
 """
 from dataclasses import dataclass
+
+import numpy as np
 
 from .codecs.base import kernels
 from .push_plan import UPDATE
@@ -84,3 +87,18 @@ def local_pass(step, grad, weight, out, mom, num_threads, check=None, encoder=No
             check.nonfinite = bad
 
     return run
+
+
+def torch_sgd_reference(weight, grad, mom, lr, weight_decay, momentum, dampening, nesterov,
+                        div=1.0):
+    """(new weight, new momentum) of torch.optim.SGD's step in float32, one rounding per
+    operation: what kernels.TorchSGD computes, bitwise. mom None: the first step."""
+    f = np.float32
+    d = grad.astype(f) / f(div) if div != 1 else grad.astype(f)
+    if weight_decay != 0:
+        d = d + f(weight_decay) * weight
+    b = mom
+    if momentum != 0:
+        b = d if mom is None else f(momentum) * mom + f(1.0 - dampening) * d
+        d = d + f(momentum) * b if nesterov else b
+    return weight + f(-lr) * d, b

@@ -16,6 +16,9 @@ from typing import Tuple
 import numpy as np
 import torch
 
+from .. import sgd_rule
+from ..codecs.base import kernels
+from ..env import check_num_threads
 from ..transport.host import HostBuffer, HostReadiness
 
 
@@ -110,13 +113,17 @@ def _plain(value):
 
 
 class TorchUpdate:
-    """glo_buf <- one step of the user's optimizer class with the mean gradient, on the
-    aggregation thread: one instance per parameter over its glo_buf, its state on the host."""
+    """glo_buf <- one step of the user's optimizer with the mean gradient, on the
+    aggregation thread: torch.optim.SGD's rule as one kernel pass (kernels.TorchSGD, the
+    compressed sum decoded inside it), another optimizer's own step on one instance per
+    parameter over its glo_buf; either way the state lives in those instances, on the host.
+    """
 
-    def __init__(self, optimizer, groups_of, num_workers):
+    def __init__(self, optimizer, groups_of, num_workers, num_threads=None):
         self.optimizer = optimizer
         self._group_of = groups_of  # index -> the param group of that parameter
         self._num_workers = num_workers
+        self.num_threads = check_num_threads(num_threads)  # of the SGD kernel
         self._shadow = {}  # index -> optimizer instance over the glo_buf tensor
         self._local = {}  # index -> optimizer instance over the parameter (local update)
         self._scratch = {}  # index -> the local step's copies of the global state tensors
@@ -125,17 +132,31 @@ class TorchUpdate:
     def settings(self, index):
         return StepSettings.of(self.optimizer)
 
-    @staticmethod
-    def decodes_in_update(buffers):
-        return False
+    def decodes_in_update(self, buffers):
+        """True when torch.optim.SGD's kernel can decode a host-encoded key's sum inside
+        its update (the codec decodes by table)."""
+        return buffers.codec.decodes_by_table and _plain_sgd(
+            self.optimizer, self.optimizer.param_groups[self._group_of[buffers.index]])
 
     @staticmethod
     def codec_view(index, glo, settings):
         return None  # codecs that read the optimizer use their default level (docs/pytorch.md)
 
-    @staticmethod
-    def prepare(transfer, num_workers):
-        return None
+    def prepare(self, transfer, num_workers):
+        """The codec's decode table where the kernel decodes the sum in the update, else
+        None (the sum decoded into agg, where the plan decodes in the update)."""
+        index = transfer.pushes[0].buffers.index
+        kernel = self._kernel(transfer.settings.groups[self._group_of[index]], num_workers)
+        return sgd_rule.prepare_decode(transfer, num_workers, kernel is not None)
+
+    def _kernel(self, group, div=1.0):
+        """The TorchSGD kernel of one param group's settings (pairs), or None where the
+        optimizer's own step runs."""
+        group = dict(group)
+        if not _plain_sgd(self.optimizer, group):
+            return None
+        return kernels().TorchSGD(group["lr"], group["weight_decay"], group["momentum"],
+                                  group["dampening"], group["nesterov"], div)
 
     def shadow(self, index, glo):
         """The optimizer instance of `index`, over glo_buf's memory (made on first use)."""
@@ -154,8 +175,13 @@ class TorchUpdate:
         for push, glo in zip(transfer.pushes, glos):
             b = push.buffers
             opt = self.shadow(b.index, glo)
-            opt.param_groups[0].update(dict(transfer.settings.groups[self._group_of[b.index]]))
+            group = transfer.settings.groups[self._group_of[b.index]]
+            opt.param_groups[0].update(dict(group))
             weight = opt.param_groups[0]["params"][0]
+            kernel = self._kernel(group, self._num_workers)
+            if kernel is not None:
+                self._kernel_step(kernel, opt, b, glo, transfer, table)
+                continue
             grad = tensor_of(b.agg, weight.shape)
             grad.div_(self._num_workers)  # the sum over workers -> DDP's mean gradient
             weight.grad = grad
@@ -163,18 +189,44 @@ class TorchUpdate:
                 opt.step()
             weight.grad = None
 
+    def _kernel_step(self, kernel, opt, b, glo, transfer, table):
+        """glo_buf <- the kernel's step with the mean of the sum (agg, or decoded from the
+        lanes by `table` on the fly); the momentum kept in the shadow optimizer's state,
+        where torch keeps it."""
+        weight = opt.param_groups[0]["params"][0]
+        state = opt.state[weight]
+        mom = _host_flat(state, "momentum_buffer", weight)
+        first = mom is None
+        if first and opt.param_groups[0]["momentum"] != 0:
+            state["momentum_buffer"] = torch.zeros_like(weight)  # torch makes it at step 1
+            mom = state["momentum_buffer"].view(-1).numpy()
+        w = glo.for_write()
+        if table is not None:
+            k, m, rows = table
+            kernel.decode_step(transfer.exchange.recv.for_read(), rows, k, m, w, mom, first,
+                               self.num_threads, transfer.lanes_checked)
+        else:
+            kernel.step(w, b.agg.for_read(), None if first else mom, mom, w, self.num_threads)
+
     def local_step(self, index, glo, param, grad):
         """loc_buf (the parameter) <- one step of the same rule from glo_buf with this
         worker's gradient, reading the global state and writing none of it."""
         opt = self.shadow(index, glo)  # made here when the local step comes first (a resume)
         state = opt.state[opt.param_groups[0]["params"][0]]
+        current = StepSettings.of(self.optimizer).groups[self._group_of[index]]
+        kernel = self._kernel(current) if _host_contiguous(param, grad) else None
+        if kernel is not None:
+            mom = _host_flat(state, "momentum_buffer", param)
+            kernel.step(glo.for_read(), grad.view(-1).numpy(), mom, None,
+                        param.detach().view(-1).numpy(), self.num_threads)
+            return
         local = self._local.get(index)
         if local is None:
             group = {k: v for k, v in self.optimizer.param_groups[self._group_of[index]].items()
                      if k != "params"}
             local = type(self.optimizer)([param], **_constructor_args(self.optimizer, group))
             self._local[index] = local
-        current = dict(StepSettings.of(self.optimizer).groups[self._group_of[index]])
+        current = dict(current)
         with torch.no_grad():
             # blocking: glo_buf may be overwritten as soon as this returns
             param.copy_(tensor_of(glo, param.shape))
@@ -259,6 +311,23 @@ def _plain_sgd(optimizer, group):
     TorchUpdate._sgd_local writes it (not maximize or differentiable)."""
     return (type(optimizer) is torch.optim.SGD and not group.get("maximize")
             and not group.get("differentiable"))
+
+
+def _host_contiguous(*tensors):
+    """True when every tensor is on the host and contiguous (a flat NumPy view is it)."""
+    return all(not t.is_cuda and t.is_contiguous() for t in tensors)
+
+
+def _host_flat(state, name, like):
+    """The flat NumPy view of an optimizer state tensor (made contiguous in the state
+    first), or None when the state has none."""
+    value = state.get(name)
+    if value is None:
+        return None
+    if not _host_contiguous(value) or value.shape != like.shape:
+        raise ValueError("optimizer state %r has shape %s on %s, its parameter %s"
+                         % (name, tuple(value.shape), value.device, tuple(like.shape)))
+    return value.view(-1).numpy()
 
 
 def _constructor_args(optimizer, group):
@@ -352,7 +421,7 @@ class TorchFramework:
         return settings
 
     def global_update(self, optimizer, num_threads):
-        return TorchUpdate(optimizer, self.group_of, self.num_workers)
+        return TorchUpdate(optimizer, self.group_of, self.num_workers, num_threads)
 
     def local_updater(self, update, num_workers, config):
         if config.loc_lr is not None:
