@@ -131,13 +131,6 @@ class Aggregator:
         if state["local"] is not None:
             self.local_updater().load_state(state["local"], where)
 
-    def load_pickled_optimizer_states(self, global_states, local_states):
-        """Restore both updaters from MXNet's pickled states (the old checkpoint format)."""
-        self.update.load_pickled_states(global_states)
-        self._local = None
-        if local_states is not None:
-            self.local_updater().load_pickled_states(local_states)
-
     # -- keys ------------------------------------------------------------------------------
     def add_key(self, key, value):
         """A new key with rank 0's initial weights `value`: buffers, wire keys, glo_buf."""

@@ -6,11 +6,10 @@ step, error-feedback residual and codec state (planner), the compressed buckets'
 states, glo_buf with version and flag (backup), the CTTab decision, and the transfer
 counters. The file is a NumPy archive plus a JSON document (dataio.py): reading it runs
 no code. Every part is checked against this job before any is restored, so a bad file
-changes nothing. The pickles of the first format are read only with
-allow_pickle_checkpoint=True, since loading a pickle runs whatever it says.
+changes nothing. A pickle of the first format is refused: loading it would run whatever
+it says.
 """
 import dataclasses
-import pickle
 
 import numpy as np
 
@@ -18,7 +17,6 @@ from . import dataio
 
 FORMAT = "slimgc-checkpoint"
 VERSION = 2
-PICKLE_FORMAT = "slimgc-checkpoint-1"
 
 
 def save(fname, agg):
@@ -48,7 +46,10 @@ def read(fname, agg):
         state = dataio.read(fname)
     except dataio.DataFileError as exc:
         if _is_pickle(fname):
-            return _read_pickle(fname, agg)
+            raise ValueError(
+                "%s is a pickle, as slimgc checkpoints of the first format were: loading it "
+                "would run whatever code it holds, so slimgc_mx reads only its data-only "
+                "format (save the checkpoint again with this version)" % fname) from None
         raise ValueError("%s is not a slimgc checkpoint: %s" % (fname, exc)) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError("%s is a data file but not a slimgc checkpoint (format %r)"
@@ -62,10 +63,7 @@ def read(fname, agg):
 
 def load(state, agg, where="checkpoint"):
     """Restore every part from a checkpoint read(); the pipeline must be idle."""
-    if state.get("pickled"):
-        agg.load_pickled_optimizer_states(state["global"], state["local"])
-    else:
-        agg.load_optimizer_state(state["optimizer"], where)
+    agg.load_optimizer_state(state["optimizer"], where)
     agg.planner.load_state_dict(state["keys"])
     agg.backup.load_state_dict(state["backup"])
     agg.cttab.load_state_dict(state["cttab"])
@@ -100,33 +98,9 @@ def check(state, agg, where):
                                                                 b.shape))
         if b.codec is not None:
             b.codec.clone().load_state_dict(saved["codec"])  # raises on another codec's state
-    check_state = getattr(agg.update, "check_state", None)
-    if check_state is not None:
-        check_state(state["optimizer"]["global"], where)
-    elif not state.get("pickled"):
-        from .mxnet.update import restore_optimizer, clone_optimizer
-        restore_optimizer(clone_optimizer(agg.update.optimizer),
-                          state["optimizer"]["global"]["optimizer"], where)
+    agg.update.check_state(state["optimizer"]["global"], where)
 
 
 def _is_pickle(fname):
     with open(fname, "rb") as f:
         return f.read(1) == b"\x80"
-
-
-def _read_pickle(fname, agg):
-    """A checkpoint of the first format (a pickle), only with the explicit opt-in."""
-    if not agg.config.allow_pickle_checkpoint:
-        raise ValueError(
-            "%s is a slimgc checkpoint of the first format, a pickle: loading it would run "
-            "whatever code it holds. If you trust the file, set allow_pickle_checkpoint=True "
-            "(SLIMGC_ALLOW_PICKLE_CHECKPOINT=1) to read it once, then save it again in the "
-            "data-only format" % fname)
-    with open(fname, "rb") as f:
-        state = pickle.load(f)
-    if not isinstance(state, dict) or state.get("format") != PICKLE_FORMAT:
-        raise ValueError("%s is not a slimgc checkpoint (format %r)"
-                         % (fname, state.get("format") if isinstance(state, dict) else None))
-    state["pickled"] = True
-    check(state, agg, "checkpoint %s" % fname)
-    return state

@@ -23,7 +23,7 @@ from .threshold import check_rule, load_decision
 PIECE_BYTES = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_BOOL_FIELDS = ("backup", "offload", "fuse", "stream", "allow_pickle_checkpoint")
+_BOOL_FIELDS = ("backup", "offload", "fuse", "stream")
 _WARNED = set()  # SLIMGC_* variables already warned about
 
 
@@ -56,8 +56,6 @@ class SlimGCConfig:
     num_threads     CPU threads of the codecs and the SGD kernel (default: all cores)
     timeout         seconds the training thread waits for one aggregation before it raises
     audit_every     compare global-weight checksums across workers every K steps (0: off)
-    allow_pickle_checkpoint  read checkpoints of the first format, pickles (which can run
-                    code when loaded); off: only the data-only format is read
     piece_bytes     dist transport: buffers larger than this go as pieces of this many bytes,
                     so the sums of the first pieces come back while later ones are pushed (0: whole)
     stream          a compressed key whose local update encodes it (2bit) is encoded piece by
@@ -86,7 +84,6 @@ class SlimGCConfig:
     num_threads: Optional[int] = None
     timeout: float = 600.0
     audit_every: int = 0
-    allow_pickle_checkpoint: bool = False
     piece_bytes: int = PIECE_BYTES
     stream: bool = True
     trace: Optional[str] = None

@@ -312,21 +312,15 @@ class GlobalUpdate:
         state["scheduler"] = optimizer_state(self.optimizer)["scheduler"]
         return {"optimizer": state, "states": updater_states(self.updater)}
 
+    def check_state(self, state, where):
+        """Raise ValueError unless `state` (a state()) restores into this job's optimizer."""
+        restore_optimizer(clone_optimizer(self.optimizer), state["optimizer"], where)
+
     def load_state(self, state, where):
         """Restore state(): into the trainer-facing optimizer, which a fresh clone drives."""
         restore_optimizer(self.optimizer, state["optimizer"], where)
         self._drive(self.optimizer)
         set_updater_states(self.updater, state["states"])
-
-    def load_pickled_states(self, states):
-        """Load MXNet's own pickled Updater states (a checkpoint of the old format)."""
-        driven = self.updater.optimizer
-        self.updater.set_states(states)
-        if self.updater.optimizer is not driven:  # the file held the optimizer itself
-            self.optimizer = self.updater.optimizer
-            self._drive(self.optimizer)
-        else:
-            self.kernel = self._kernel()
 
     def _drive(self, optimizer):
         self.updater.optimizer = _unscheduled_clone(optimizer)
@@ -415,10 +409,6 @@ class LocalUpdater:
     def load_state(self, state, where):
         restore_optimizer(self.optimizer, state["optimizer"], where)
         set_updater_states(self._updater, state["states"])
-
-    def load_pickled_states(self, states):
-        self._updater.set_states(states)
-        self.optimizer = self._updater.optimizer
 
 
 def _copy_state(state):
