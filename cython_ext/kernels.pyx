@@ -178,9 +178,21 @@ ctypedef Py_ssize_t (*levels_fn)(const float* g, float* r, float* q, Py_ssize_t 
                                  double* stat) noexcept nogil
 
 
+cdef struct TorchStep:
+    # torch.optim.SGD's settings of one step (sgd_torch.pxi)
+    float neg_lr
+    float wd
+    float div
+    float momentum
+    float keep           # 1 - dampening
+    bint nesterov
+
+
 cdef struct LocalStep:
     # The backup's local SGD step run inside the encoder's pass (LocalSGD): out from w,
-    # the gradient being encoded and mom (read, not written), as sgd_step computes it.
+    # the gradient being encoded and mom (read, not written), as sgd_step computes it,
+    # or as TorchSGD.step does where `torch` is set.
+    const TorchStep* torch
     const float* w
     const float* mom     # NULL: plain SGD
     float* out
@@ -246,7 +258,9 @@ cdef void _encode_blocks(const EncodeJob* job, Py_ssize_t lo, Py_ssize_t hi,
         i1 = min(i0 + BLOCK, hi)
         start = i0 * job.k
         cnt = min(i1 * job.k, job.n) - start
-        if loc != NULL:  # the tile is in L1 when the levels read it again
+        if loc != NULL and loc.torch != NULL:  # the tile is in L1 when the levels read it
+            _torch_sgd(loc.torch, loc.w, job.g, loc.mom, NULL, loc.out, start, start + cnt)
+        elif loc != NULL:
             _sgd_chunk(loc.w, job.g, loc.mom, NULL, loc.out, start, start + cnt, loc.lr,
                        loc.wd, loc.rescale, loc.momentum, loc.clip, False)
         bad[0] += job.levels(job.g + start, job.r + start, q, cnt, &job.args, start,
@@ -336,6 +350,7 @@ cdef class LocalSGD:
     sgd_step's. Pass it as `local` to a lane codec's encode.
     """
     cdef LocalStep step
+    cdef TorchStep rule  # TorchSGD.local: torch's rule (step.torch points here)
     cdef readonly Py_ssize_t size
     cdef readonly object output  # out, for the caller's overlap checks
     cdef object _inputs  # keeps weight and mom alive while the pointers are in use
@@ -349,6 +364,7 @@ cdef class LocalSGD:
         self.size = n
         self.output = out.base
         self._inputs = (weight, mom)
+        self.step.torch = NULL
         self.step.w = &weight[0] if n else NULL
         self.step.mom = &mom[0] if mom is not None and n else NULL
         self.step.out = &out[0] if n else NULL

@@ -11,15 +11,6 @@
 # mom_in (the global update), or not (the local update reads glo_buf and the global
 # momentum and writes neither).
 
-cdef struct TorchStep:
-    float neg_lr
-    float wd
-    float div
-    float momentum
-    float keep           # 1 - dampening
-    bint nesterov
-
-
 cdef void _torch_sgd(const TorchStep* s, const float* w, const float* g, const float* mom_in,
                      float* mom_out, float* out, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
     # mom_in NULL with momentum: the first step (b = d).
@@ -66,6 +57,15 @@ cdef class TorchSGD:
     backup's local update (out from glo_buf, the global momentum read only)."""
 
     cdef TorchStep s
+
+    def local(self, const float[::1] weight, const float[::1] mom, float[::1] out):
+        """The backup's local step as a LocalSGD for a lane codec's encode: out from weight
+        (glo_buf), the gradient being encoded and mom (the global momentum, read only;
+        None: the first step), tile by tile in the encoder's pass."""
+        cdef LocalSGD local = LocalSGD(weight, mom, out, 0, 0, 1, 0, -1)
+        local.rule = self.s
+        local.step.torch = &local.rule
+        return local
 
     def __init__(self, float lr, float weight_decay, float momentum, double dampening,
                  bint nesterov, float div=1.0):

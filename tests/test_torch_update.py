@@ -137,3 +137,40 @@ def test_another_optimizer_runs_its_own_step():
         ref_opt.step()
         _global_step(update, opt, glo, summed)
         assert torch.equal(tensor_of(glo), ref.detach())  # Adam's own step, bitwise
+
+
+def test_the_local_step_fused_into_the_encoder_is_the_kernels_step_bitwise():
+    rng = np.random.default_rng(3)
+    n = 70_001
+    g, w, mom, residual = (rng.standard_normal(n, dtype=np.float32) for _ in range(4))
+    codec = codecs.create("2bit", threshold=0.5)
+    kernel = kernels().TorchSGD(0.1, 1e-4, 0.9, 0.0, False)
+    for m in (mom, None):  # None: the first step, before any global momentum
+        fused_out, r_fused = np.empty_like(w), residual.copy()
+        lanes = codec.encode(g, r_fused, 2, local=kernel.local(w, m, fused_out))
+        out, r = np.empty_like(w), residual.copy()
+        kernel.step(w, g, m, None, out, 1)
+        assert np.array_equal(fused_out, out)
+        assert np.array_equal(lanes, codec.encode(g, r, 2)) and np.array_equal(r_fused, r)
+
+
+def test_a_fused_push_encodes_in_the_local_updates_pass():
+    """TorchLocalUpdate on a CPU model with SGD hands the encoder the kernel's local step
+    and the gradient in place; without an encoder it counts the gradient's NaN/Inf."""
+    from slimgc_mx.grad_buf import GradCheck
+    from slimgc_mx.torch.framework import TorchLocalUpdate
+    shape = (13, 7)
+    gen, glo, param, opt, update = _setup(shape, 1e-3, 0.9, False, 0.0)
+    local = TorchLocalUpdate(update, host=True)
+    assert local.fused and not TorchLocalUpdate(update, host=False).fused
+    grad = torch.randn(shape, generator=gen)
+    calls = []
+    local(0, grad, glo, param, check=GradCheck(),
+          encoder=lambda g, step, piece=None: calls.append((g.held(), step)))
+    (seen, step), = calls
+    assert np.shares_memory(seen, grad.numpy()) and step is not None
+    assert torch.equal(param.detach(), torch.zeros(shape))  # the encoder's pass writes it
+    check = GradCheck()
+    grad[0, 0] = float("nan")
+    local(0, grad, glo, param, check=check)
+    assert check.nonfinite == 1 and check.ready is glo

@@ -1,11 +1,12 @@
 """TorchFramework: the aggregator's seams served by PyTorch (docs/backend.md, docs/pytorch.md).
 
 Host buffers are NumPy memory (pinned through torch for CUDA models) that torch tensors
-view without a copy; a CPU model's gradient is copied into grad_buf on the training thread,
-a CUDA model's by a non-blocking copy whose CUDA event admits the key to the pipeline.
-loc_buf is the parameter itself (the local update writes it in place, on the parameter's
-device), glo_buf stays on the host, and the global update runs the user's own optimizer
-class, one instance per parameter over glo_buf, with the hyperparameters of the step's push.
+view without a copy; a CPU model's gradient is copied into grad_buf on the training thread
+(or encoded in place in the local update's pass), a CUDA model's by a non-blocking copy
+whose CUDA event admits the key to the pipeline. loc_buf is the parameter itself (the local
+update writes it in place, on the parameter's device), glo_buf stays on the host, and the
+global update runs the user's optimizer with the hyperparameters of the step's push:
+torch.optim.SGD as a Cython kernel, any other class as one instance per parameter.
 """
 import copy
 import dataclasses
@@ -208,25 +209,35 @@ class TorchUpdate:
         else:
             kernel.step(w, b.agg.for_read(), None if first else mom, mom, w, self.num_threads)
 
-    def local_step(self, index, glo, param, grad):
+    def local_step(self, index, glo, param, grad, encoder=None):
         """loc_buf (the parameter) <- one step of the same rule from glo_buf with this
-        worker's gradient, reading the global state and writing none of it."""
+        worker's gradient, reading the global state and writing none of it; `encoder` (a
+        grad_buf.FusedEncode) encodes the gradient, in the kernel's pass where it runs."""
         opt = self.shadow(index, glo)  # made here when the local step comes first (a resume)
         state = opt.state[opt.param_groups[0]["params"][0]]
         current = StepSettings.of(self.optimizer).groups[self._group_of[index]]
         kernel = self._kernel(current) if _host_contiguous(param, grad) else None
-        if kernel is not None:
-            mom = _host_flat(state, "momentum_buffer", param)
-            kernel.step(glo.for_read(), grad.view(-1).numpy(), mom, None,
-                        param.detach().view(-1).numpy(), self.num_threads)
+        if kernel is None:
+            self._local_ops(index, glo, param, grad, state, dict(current))
+            if encoder is not None:
+                encoder(GradInPlace(grad), None)
             return
+        mom = _host_flat(state, "momentum_buffer", param)
+        w, out = glo.for_read(), param.detach().view(-1).numpy()
+        if encoder is not None:
+            encoder(GradInPlace(grad), kernel.local(w, mom, out))
+        else:
+            kernel.step(w, grad.view(-1).numpy(), mom, None, out, self.num_threads)
+
+    def _local_ops(self, index, glo, param, grad, state, current):
+        """local_step in torch ops on the parameter's device: glo_buf copied into it, then
+        SGD's rule (_sgd_local) or the optimizer's own step with a copy of the state."""
         local = self._local.get(index)
         if local is None:
             group = {k: v for k, v in self.optimizer.param_groups[self._group_of[index]].items()
                      if k != "params"}
             local = type(self.optimizer)([param], **_constructor_args(self.optimizer, group))
             self._local[index] = local
-        current = dict(current)
         with torch.no_grad():
             # blocking: glo_buf may be overwritten as soon as this returns
             param.copy_(tensor_of(glo, param.shape))
@@ -337,16 +348,37 @@ def _constructor_args(optimizer, group):
     return {k: v for k, v in group.items() if k in accepted}
 
 
+class GradInPlace:
+    """A host gradient tensor as grad_buf.FusedEncode reads it (held(): a flat NumPy view),
+    so a fused push encodes it without a copy into grad_buf."""
+
+    def __init__(self, grad):
+        self._flat = grad.detach().reshape(-1).numpy()  # (a copy if it is not contiguous)
+
+    def held(self):
+        return self._flat
+
+
 class TorchLocalUpdate:
-    """The backup's local update (aggregator.local_updater) for torch parameters."""
+    """The backup's local update (aggregator.local_updater) for torch parameters.
 
-    fused = False
+    `fused` on a CPU model with torch.optim.SGD: the local step is the TorchSGD kernel's
+    pass, in which a lane codec encodes bit_buf (grad_buf.FusedEncode) from the gradient
+    in place; where no codec encodes there, the gradient's NaN/Inf are counted instead,
+    so the encoder skips its own pass.
+    """
 
-    def __init__(self, update):
+    def __init__(self, update, host):
         self._update = update
+        self.fused = host and type(update.optimizer) is torch.optim.SGD
 
     def __call__(self, index, grad, glo, out, check=None, encoder=None):
-        self._update.local_step(index, glo, out, grad)
+        if check is not None:
+            check.ready = glo  # a host buffer: admitted at once, this thread has done it all
+        self._update.local_step(index, glo, out, grad, encoder)
+        if check is not None and encoder is None:
+            check.nonfinite = kernels().count_nonfinite(GradInPlace(grad).held(),
+                                                        self._update.num_threads)
 
     @staticmethod
     def state():
@@ -391,12 +423,14 @@ class TorchFramework:
 
     def gradient(self, b, grads, fused=False):
         """(the gradient tensor, what the local update reads: the same tensor); grad_buf gets
-        a copy at once for a CPU model, by a non-blocking copy whose event admits the key to
-        the pipeline for a CUDA model."""
+        a copy at once for a CPU model, none on a fused push (its local update encodes the
+        gradient in place), by a non-blocking copy whose event admits the key to the
+        pipeline for a CUDA model."""
         grad = grads[0]
         dst = tensor_of(b.grad_buf, (-1,))
         if not grad.is_cuda:
-            dst.copy_(grad.reshape(-1))
+            if not fused:
+                dst.copy_(grad.reshape(-1))
             return grad, grad
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(grad.device))
@@ -427,4 +461,4 @@ class TorchFramework:
         if config.loc_lr is not None:
             raise ValueError("loc_lr=%r: the PyTorch adapter's local update takes the "
                              "optimizer's own rate; leave loc_lr unset" % (config.loc_lr,))
-        return TorchLocalUpdate(update)
+        return TorchLocalUpdate(update, host=not self.cuda)
