@@ -347,7 +347,8 @@ cdef class LocalSGD:
 
     out <- sgd_step(weight, grad, mom_in=mom, mom_out=None) with the gradient the encoder
     reads, tile by tile, so the gradient is read from memory once; out comes out bitwise
-    sgd_step's. Pass it as `local` to a lane codec's encode.
+    sgd_step's (TorchSGD.local's: TorchSGD.step's). Pass it as `local` to a lane codec's
+    encode.
     """
     cdef LocalStep step
     cdef TorchStep rule  # TorchSGD.local: torch's rule (step.torch points here)
