@@ -1,4 +1,5 @@
-"""slimgc_mx: SlimGC gradient compression as an MXNet 1.9.1 KVStore plugin.
+"""slimgc_mx: SlimGC gradient compression as an MXNet 1.9.1 KVStore plugin, and for PyTorch
+as slimgc_mx.torch.DistributedOptimizer (docs/pytorch.md).
 
     import slimgc_mx                      # registers kvstore 'slimgc' (and 'dist_sync_slimgc')
     trainer = gluon.Trainer(params, 'sgd', {...}, kvstore='slimgc',
@@ -8,7 +9,7 @@
 
 Importing the package does not import MXNet: the names are registered at once if MXNet
 is already imported, else right after it is (mxnet.hooks.register). `slimgc_mx.codecs`,
-`slimgc_mx.threshold` and `slimgc_mx.launch` never import MXNet.
+`slimgc_mx.cttab` and `slimgc_mx.launch` never import MXNet.
 """
 import importlib
 import importlib.abc

@@ -20,10 +20,10 @@ import numpy as np
 from . import agreement, codecs, lanes32, notice
 from .backup import ModelBackup
 from .grad_buf import FusedEncode, Push, mark_nonfinite
-from .pipeline import Pipeline, TransferStats
+from .offload import Pipeline, TransferStats
 from .planner import Planner
 from .push_plan import DEVICE, LOCAL_UPDATE, PIECES
-from .threshold import CTTab, NEVER
+from .cttab import CTTab, NEVER
 from .trace import Trace
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,6 @@ class Aggregator:
         Collective: every worker's optimizer must have the same class and settings.
         """
         settings = self.framework.optimizer_settings(optimizer, self.config.loc_optimizer)
-        check_momentum(self.codec, optimizer)
         agreement.check(self.transport, settings, what="optimizer settings")
         self.update = self.framework.global_update(optimizer, self.config.num_threads)
         self._local = None
@@ -335,16 +334,15 @@ class Aggregator:
             log.info("slimgc: trace of rank %d written to %s", self.transport.rank, path)
 
 
-def check_momentum(codec, optimizer):
+def check_momentum(codec, momentum, example):
     """Refuse an optimizer with momentum under a codec that applies momentum itself (dgc's
-    momentum correction accumulates the velocity before sparsifying), naming the fix."""
-    momentum = getattr(optimizer, "momentum", 0.0) or 0.0
+    momentum correction accumulates the velocity before sparsifying), naming the fix:
+    `example` % (codec name, momentum) is how the adapter's user gives the codec's option."""
     if codec is not None and codec.owns_momentum and momentum:
         raise ValueError(
             "codec %r applies momentum itself, so the optimizer's momentum must be 0, got "
             "momentum=%r: create the optimizer with momentum=0 and give the codec's own option "
-            "instead, e.g. compression_params={'type': %r, 'momentum': %r}"
-            % (codec.name, momentum, codec.name, momentum))
+            "instead, e.g. %s" % (codec.name, momentum, example % (codec.name, momentum)))
 
 
 def report(agg, compressor, pieces):

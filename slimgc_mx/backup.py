@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .pipeline import PipelineError
+from .offload import PipelineError
 
 
 class BackupTimeout(TimeoutError):
@@ -100,9 +100,12 @@ class ModelBackup:
         Buffer loc (loc_buf) from the Buffer glo (glo_buf); loc_buf is then copied
         into every array of `params`. Where the framework keeps loc_buf in the parameter
         (arrays.loc_in_params: one array per key), the local update writes it there.
+        The caller has waited for glo_buf to hold w_step (wait_version).
         """
         slot = self._slots[key]
-        self.wait_version(key, step)
+        if slot.version < step:
+            raise RuntimeError("key %r: local step %d before glo_buf holds w_%d (call "
+                               "wait_version first)" % (key, step, step))
         slot.params = params
         if slot.loc is None:
             if len(params) != 1:

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 from . import codecs, env, notice
 from .lanes32 import LANE_DTYPES
-from .threshold import check_rule, load_decision
+from .cttab import check_rule, load_decision
 
 # A buffer larger than this travels as pieces of at most this many bytes, each its own
 # wire key (0: whole). MXNet's dist_sync answers a pull only after every worker's push of

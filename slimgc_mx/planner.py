@@ -3,7 +3,7 @@
 The planner owns each key's buffers (grad_buf.KeyBuffers) and step count. For every
 push it decides, in one place (Planner.plan), the route of Algorithm 2 (bit_buf when the
 CTTab compresses the tensor's size, fp_buf otherwise; both alternately during the warm-up)
-and where the push is encoded, decoded and checked, and hands out a pipeline.Transfer
+and where the push is encoded, decoded and checked, and hands out a offload.Transfer
 that carries that decision as an immutable push_plan.Plan.
 
 Fused buckets: sent one by one, every small tensor pays a transfer, three pipeline
@@ -26,11 +26,11 @@ import numpy as np
 
 from .codecs.rng import key_seed
 from .grad_buf import GradCheck, KeyBuffers, Push, WireRound, add_lanes32, stream_pieces
-from .pipeline import Transfer
+from .offload import Transfer
 from .push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
                         FINITE_IN_RANGE, FULL_BUCKET_PLAN, FULL_PLAN, FULL_SERIAL_PLAN,
                         LOCAL_UPDATE, PIECES, UPDATE, Plan)
-from .threshold import format_bytes
+from .cttab import format_bytes
 from .transport.keys import KeyWire
 
 log = logging.getLogger(__name__)

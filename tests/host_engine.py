@@ -8,9 +8,9 @@ Imports no framework, so a test can run it in an interpreter where MXNet is neve
 from slimgc_mx import codecs
 from slimgc_mx.config import SlimGCConfig
 from slimgc_mx.grad_buf import Push
-from slimgc_mx.pipeline import Pipeline
+from slimgc_mx.offload import Pipeline
 from slimgc_mx.planner import Planner
-from slimgc_mx.threshold import CTTab
+from slimgc_mx.cttab import CTTab
 from slimgc_mx.transport import HostBuffer, HostReadiness
 from thread_workers import in_threads
 

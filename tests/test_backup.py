@@ -8,7 +8,7 @@ import pytest
 
 import training_helpers as th
 from slimgc_mx.backup import BackupTimeout, ModelBackup
-from slimgc_mx.pipeline import PipelineError
+from slimgc_mx.offload import PipelineError
 from slimgc_mx.mxnet.sgd import SGDKernel
 from slimgc_mx.mxnet.buffers import ArrayOps
 from slimgc_mx.mxnet.engine import EngineNotifier
@@ -25,6 +25,12 @@ def _sub(delta):
     def update(glos):
         glos[0].nd[:] = glos[0].nd - delta
     return update
+
+
+def test_a_local_step_before_its_global_weights_is_refused():
+    b = _backup()
+    with pytest.raises(RuntimeError, match="local step 1 before glo_buf holds w_1"):
+        b.local_step("w", 1, mx.nd.ones(3), [mx.nd.zeros(3)], lambda g, glo, loc: None)
 
 
 def test_local_step_writes_loc_buf_and_sets_the_flag():

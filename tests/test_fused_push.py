@@ -181,7 +181,7 @@ def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
     """Should a gradient read in place turn up in MKLDNN's layout, the operator refuses it
     (LayoutError through DLPack) and every worker's next wait raises it: nothing is sent
     from a relaid array and no weight is updated."""
-    from slimgc_mx.pipeline import PipelineError
+    from slimgc_mx.offload import PipelineError
     from slimgc_mx.mxnet.buffers import LayoutError
 
     size = 3000

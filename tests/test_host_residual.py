@@ -4,7 +4,7 @@ import numpy as np
 
 from slimgc_mx import codecs
 from slimgc_mx.grad_buf import KeyBuffers
-from slimgc_mx.pipeline import _flush_residual
+from slimgc_mx.offload import _flush_residual
 from slimgc_mx.transport.host import HostBuffer
 
 

@@ -22,8 +22,8 @@ from slimgc_mx.mxnet import sgd
 from slimgc_mx.codecs.rng import key_seed
 from slimgc_mx.backup import BackupTimeout
 from slimgc_mx.mxnet.kvstore import SlimGC
-from slimgc_mx.pipeline import PipelineError
-from slimgc_mx.threshold import NEVER
+from slimgc_mx.offload import PipelineError
+from slimgc_mx.cttab import NEVER
 from slimgc_mx import env
 from slimgc_mx.mxnet.dist import BIGARRAY_BOUND
 from slimgc_mx.transport import LocalTransport, ThreadGroup
@@ -229,12 +229,12 @@ def test_cttab_warmup_picks_a_threshold_between_small_and_large_tensors():
 
 def test_every_worker_adopts_rank0s_threshold(monkeypatch):
     """Workers that would choose differently still agree: rank 0's BestCT is broadcast."""
-    from slimgc_mx import threshold
+    from slimgc_mx import cttab
 
     def per_thread_choice(rows, rule="fit", margin=0.0):
         return 4096 if threading.current_thread().name.endswith("0") else 8
 
-    monkeypatch.setattr(threshold.CTTab, "choose", staticmethod(per_thread_choice))
+    monkeypatch.setattr(cttab.CTTab, "choose", staticmethod(per_thread_choice))
 
     def worker(rank, transport):
         threading.current_thread().name = "worker-%d" % rank
@@ -325,7 +325,7 @@ def test_stuck_transfer_times_out_in_the_training_thread():
     ("off", "float64"), ("off", "float32"),  # compressed route, float64 / float32 lanes
     (1 << 40, "auto")])  # full-precision route
 def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold, lane_dtype):
-    from slimgc_mx.pipeline import NonFiniteAggregateError
+    from slimgc_mx.offload import NonFiniteAggregateError
 
     size = 50
 
@@ -402,7 +402,7 @@ def test_backup_local_update_checks_the_gradient_for_the_encoder(name, options):
     local update's count of NaN/Inf and skips its pre-check. A NaN fails every worker
     without updating the weights; the fused pass has written the residual of that step
     (NaN where the gradient was), the separate encoder never ran."""
-    from slimgc_mx.pipeline import NonFiniteAggregateError
+    from slimgc_mx.offload import NonFiniteAggregateError
 
     size = 3000
     fused = name == "2bit"
@@ -524,7 +524,7 @@ def test_loading_a_foreign_or_mismatched_checkpoint_is_refused(tmp_path):
 
 def test_keys_enter_the_pipeline_as_their_gradients_become_ready(monkeypatch):
     """Key 0's gradient is still being computed by the engine; key 1 goes first."""
-    from slimgc_mx.pipeline import Pipeline
+    from slimgc_mx.offload import Pipeline
 
     order = []
     original = Pipeline._encode
@@ -693,7 +693,7 @@ def test_a_key_leaving_the_compressed_route_sends_its_residual():
 
 @pytest.mark.parametrize("comm_threshold", ["off", 1 << 40])  # compressed route, fp route
 def test_a_nan_is_traced_to_the_worker_that_sent_it(comm_threshold):
-    from slimgc_mx.pipeline import NonFiniteAggregateError
+    from slimgc_mx.offload import NonFiniteAggregateError
 
     def worker(rank, transport):
         kv = SlimGC(transport=transport, compressor="2bit", comm_threshold=comm_threshold,

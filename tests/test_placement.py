@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from slimgc_mx.config import SlimGCConfig
-from slimgc_mx.threshold import CTTab
+from slimgc_mx.cttab import CTTab
 
 torch = pytest.importorskip("torch")
 

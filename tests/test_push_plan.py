@@ -11,11 +11,11 @@ import numpy_engine
 from slimgc_mx import codecs
 from slimgc_mx.config import SlimGCConfig
 from slimgc_mx.grad_buf import FusedEncode, Push
-from slimgc_mx.pipeline import Pipeline, Transfer
+from slimgc_mx.offload import Pipeline, Transfer
 from slimgc_mx.planner import Planner
 from slimgc_mx.push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
                                  FINITE_IN_RANGE, FULL, LOCAL_UPDATE, PIECES, UPDATE, Plan)
-from slimgc_mx.threshold import CTTab
+from slimgc_mx.cttab import CTTab
 from slimgc_mx.transport import HostBuffer, ThreadGroup
 from thread_workers import in_threads
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .. import codecs
 from ..config import PIECE_BYTES, SlimGCConfig
 from ..launch.netns import DELAY_PATTERN, rate_bits
-from ..threshold import NEVER, CTTab
+from ..cttab import NEVER, CTTab
 from . import shapes
 
 DESCRIPTION = "cost model of a training step at 8-256 workers: tabulate, validate, plot"
@@ -371,7 +371,7 @@ def wire_seconds(costs: Sequence[TensorCost], setup: Setup, scheme: Scheme) -> f
 def cttab_choice(model: shapes.ModelShapes, scheme: Scheme, setup: Setup,
                  rates: CodecRates) -> float:
     """BestCT as the CTTab would pick it: one row per tensor size with each route's time
-    alone (t_c; t_c^q + t_p^q), read by threshold.CTTab.choose with the 'measured' rule and
+    alone (t_c; t_c^q + t_p^q), read by cttab.CTTab.choose with the 'measured' rule and
     the margin (rows are model times, so 'measured' compares them as they are)."""
     by_size = {}
     for _, shape in model.tensors:

@@ -92,9 +92,10 @@ class SlimGC(KVStoreBase):
 
     def set_optimizer(self, optimizer):
         """Run `optimizer` on the aggregated gradients, on every worker."""
-        if self._agg is None and self.config.compressor != "none":  # else the aggregator checks
+        if self.config.compressor != "none":
             check_momentum(codecs.create(self.config.compressor, **self.config.codec_options),
-                           optimizer)
+                           getattr(optimizer, "momentum", 0.0) or 0.0,
+                           "compression_params={'type': %r, 'momentum': %r}")
         self._optimizer = optimizer
         if self._agg is not None:
             self._agg.set_optimizer(optimizer)

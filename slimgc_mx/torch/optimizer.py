@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint
-from ..aggregator import Aggregator
+from ..aggregator import Aggregator, check_momentum
 from ..config import SlimGCConfig
 from ..transport.local import LocalTransport
 from .collective import TorchTransport
@@ -112,7 +112,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._transport = transport
         framework = TorchFramework([p for _, p in named], group_of, transport.num_workers, cuda)
         self._agg = Aggregator(config, transport, framework=framework)
-        _check_momentum(self._agg.codec, optimizer)
+        momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
+        check_momentum(self._agg.codec, momentum, "compression=%r, momentum=%r")
         self._agg.set_optimizer(optimizer)
         for name, p in named:
             self._agg.add_key(name, p.detach().cpu().numpy())
@@ -212,7 +213,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def cttab(self):
-        """The CTTab (threshold.CTTab): its rows, BestCT and save(prefix) for the table files."""
+        """The CTTab (cttab.CTTab): its rows, BestCT and save(prefix) for the table files."""
         return self._agg.cttab
 
     @property
@@ -267,16 +268,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._agg.close(join=not self._agg.broken)
             self._transport.close(timeout=5)
             self._agg = None
-
-
-def _check_momentum(codec, optimizer):
-    """dgc applies momentum itself (before sparsifying): the optimizer's must be 0."""
-    momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
-    if codec is not None and codec.owns_momentum and momentum:
-        raise ValueError("codec %r applies momentum itself, so the optimizer's momentum must "
-                         "be 0, got momentum=%r: create the optimizer with momentum=0 and give "
-                         "the codec's own option instead, e.g. compression=%r, momentum=%r"
-                         % (codec.name, momentum, codec.name, momentum))
 
 
 def flush(optimizer):

@@ -1,4 +1,5 @@
-"""The aggregation pipeline (SlimGC Strategy 2): grad_buf -> fp_buf / bit_buf -> wire -> sum.
+"""Compression offload (SlimGC Strategy 2): the aggregation pipeline grad_buf -> fp_buf /
+bit_buf -> wire -> sum, on CPU threads beside the training thread.
 
 Three threads, each a FIFO stage, so that one key's encoding overlaps another
 key's transfer and a third key's decoding:
