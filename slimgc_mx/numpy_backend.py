@@ -64,8 +64,9 @@ class SGDUpdate:
 
     @staticmethod
     def decodes_in_update(buffers):
-        """True when a host-encoded key's sum can be decoded inside the SGD kernel's update."""
-        return buffers.codec.decodes_by_table
+        """True: the SGD kernel decodes a sum inside its update (for codecs that decode by
+        table, the only ones Planner.plan asks about)."""
+        return True
 
     def codec_view(self, index, glo, step):
         def arrays():

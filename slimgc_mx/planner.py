@@ -304,8 +304,8 @@ class Planner:
         `step`: the one place that decides its route and where it is encoded, decoded and
         checked for NaN/Inf.
 
-        decodes_in_update(buffers): whether the global update can decode the key's sum
-        itself (None: no update, a plain sum). local_kernel: the push's local update runs
+        decodes_in_update(buffers): whether the global update's kernel can decode a sum
+        itself (None: no update, a plain sum); asked only where the codec decodes by table. local_kernel: the push's local update runs
         as the SGD kernel (backup with MXNet SGD's rule), so it reads the gradient anyway.
         compress=False keeps the push in full precision whatever the CTTab says.
         """
@@ -328,7 +328,8 @@ class Planner:
             return Plan(COMPRESSED, DEVICE, DEVICE, DEVICE, FINITE, serial, rounds, wire_class)
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
         # sum tile by tile inside its update: the aggregate never goes to memory.
-        in_update = not serial and decodes_in_update is not None and decodes_in_update(b)
+        in_update = (not serial and decodes_in_update is not None and codec.decodes_by_table
+                     and decodes_in_update(b))
         encode = grad_check = ENCODER
         pieces = None
         if local_kernel and not serial:

@@ -259,9 +259,9 @@ class GlobalUpdate:
         return sgd.SGDKernel(self.updater, self.num_threads)
 
     def decodes_in_update(self, buffers):
-        """True when a host-encoded key's sum can be decoded inside the SGD kernel's update
-        (Planner.plan asks it of keys the device codec does not encode)."""
-        return self.kernel is not None and buffers.codec.decodes_by_table
+        """True when the SGD kernel runs the update, which decodes a sum inside it
+        (Planner.plan asks for host-encoded keys of codecs that decode by table)."""
+        return self.kernel is not None
 
     def codec_view(self, index, glo, settings):
         """What a codec that wants_optimizer may read of key `index` at this push: glo

@@ -134,10 +134,10 @@ class TorchUpdate:
         return StepSettings.of(self.optimizer)
 
     def decodes_in_update(self, buffers):
-        """True when torch.optim.SGD's kernel can decode a host-encoded key's sum inside
-        its update (the codec decodes by table)."""
-        return buffers.codec.decodes_by_table and _plain_sgd(
-            self.optimizer, self.optimizer.param_groups[self._group_of[buffers.index]])
+        """True when torch.optim.SGD's kernel runs the update, which decodes a sum inside
+        it (Planner.plan asks for host-encoded keys of codecs that decode by table)."""
+        return _plain_sgd(self.optimizer,
+                          self.optimizer.param_groups[self._group_of[buffers.index]])
 
     @staticmethod
     def codec_view(index, glo, settings):
