@@ -89,6 +89,9 @@ class TorchTransport(Transport):
 
     def _hand(self, wire_key, work):
         with self._cond:
+            if self._closed:
+                work.fail(RuntimeError("the transport is closed: no collective is issued"))
+                return work
             slot = (wire_key, self._called[wire_key])
             self._called[wire_key] += 1
             if self._called[wire_key] > self._announced[wire_key]:  # not announced: call order
@@ -164,8 +167,13 @@ class TorchTransport(Transport):
         return out.numpy().reshape(self.num_workers, -1)
 
     def close(self, timeout=None):
+        """Stop issuing and let go of the group, so that destroy_process_group() frees it
+        while the interpreter is alive (a group freed at interpreter exit may abort)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self._group = None
+        return True
