@@ -3,7 +3,7 @@
 The planner owns each key's buffers (grad_buf.KeyBuffers) and step count. For every
 push it decides, in one place (Planner.plan), the route of Algorithm 2 (bit_buf when the
 CTTab compresses the tensor's size, fp_buf otherwise; both alternately during the warm-up)
-and where the push is encoded, decoded and checked, and hands out a offload.Transfer
+and where the push is encoded, decoded and checked, and hands out an offload.Transfer
 that carries that decision as an immutable push_plan.Plan.
 
 Fused buckets: sent one by one, every small tensor pays a transfer, three pipeline
@@ -305,8 +305,9 @@ class Planner:
         checked for NaN/Inf.
 
         decodes_in_update(buffers): whether the global update's kernel can decode a sum
-        itself (None: no update, a plain sum); asked only where the codec decodes by table. local_kernel: the push's local update runs
-        as the SGD kernel (backup with MXNet SGD's rule), so it reads the gradient anyway.
+        itself (None: no update, a plain sum); asked only where the codec decodes by
+        table. local_kernel: the push's local update runs as an SGD kernel (backup with
+        MXNet's or torch's SGD rule on the host), so it reads the gradient anyway.
         compress=False keeps the push in full precision whatever the CTTab says.
         """
         n = self.transport.num_workers

@@ -319,7 +319,7 @@ class TorchUpdate:
 
 def _plain_sgd(optimizer, group):
     """True for torch.optim.SGD itself with settings its single-tensor rule covers as
-    TorchUpdate._sgd_local writes it (not maximize or differentiable)."""
+    kernels.TorchSGD and TorchUpdate._sgd_local write it (not maximize or differentiable)."""
     return (type(optimizer) is torch.optim.SGD and not group.get("maximize")
             and not group.get("differentiable"))
 
@@ -330,8 +330,8 @@ def _host_contiguous(*tensors):
 
 
 def _host_flat(state, name, like):
-    """The flat NumPy view of an optimizer state tensor (made contiguous in the state
-    first), or None when the state has none."""
+    """The flat NumPy view of an optimizer state tensor, or None when the state has none;
+    ValueError unless it is a contiguous host tensor of the parameter's shape."""
     value = state.get(name)
     if value is None:
         return None
