@@ -73,7 +73,7 @@ def train_rank(kv, codec, options=None, steps=STEPS, lr=LR, momentum=MOMENTUM, d
     net = make_net(x.shape[1], hidden)
     before = shard_loss(net, x, y)
     params = dict({"type": codec, "comm_threshold": "off"}, **(options or {}))
-    opt_momentum = 0.0 if codecs.create(codec, reference=True).owns_momentum else momentum
+    opt_momentum = 0.0 if codecs.create(codec, reference=True).traits.owns_momentum else momentum
     trainer = gluon.Trainer(net.collect_params(), "sgd",
                             {"learning_rate": lr, "momentum": opt_momentum},
                             kvstore=kv, compression_params=params)

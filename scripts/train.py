@@ -310,7 +310,7 @@ def main(argv=None, on_step=None):
     trainer_cls = PushThenPullTrainer if native_compression else gluon.Trainer
     momentum = args.momentum
     if compression_params is not None and args.kvstore == "slimgc" and codecs.create(
-            kv.config.compressor, **kv.config.codec_options).owns_momentum:
+            kv.config.compressor, **kv.config.codec_options).traits.owns_momentum:
         # the codec applies momentum itself (dgc's momentum correction): it takes --momentum
         compression_params.setdefault("momentum", momentum)
         momentum = 0.0

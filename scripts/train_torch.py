@@ -179,7 +179,7 @@ def make_optimizer(args, net, rank):
     """(the module to run forward on, the optimizer to step, the SlimGC optimizer or None)."""
     momentum = args.momentum
     owns_momentum = (args.kvstore == "slimgc"
-                     and codecs.create(args.compressor).owns_momentum)
+                     and codecs.create(args.compressor).traits.owns_momentum)
     if owns_momentum:
         momentum = 0.0
         if rank == 0:

@@ -169,7 +169,7 @@ class Aggregator:
                 push, settings, self.update.decodes_in_update,
                 local_kernel=push.local and self.local_updater().fused)
             check = transfer.check
-            if transfer.plan.compressed and b.codec.wants_optimizer:
+            if transfer.plan.optimizer_view:
                 b.codec.set_optimizer_view(self.update.codec_view(
                     b.index, self.backup.glo_buffer(key), settings))
         encoder = self._fused_encoder(transfer)
@@ -207,7 +207,7 @@ class Aggregator:
         self.backup.wait_version(key, step)
         grad, _ = self.framework.gradient(b, grads)
         push = Push(key, b, step, local=False, priority=priority)
-        if b.codec is not None and b.codec.wants_optimizer:
+        if b.codec is not None:
             b.codec.set_optimizer_view(None)  # a plain sum: no optimizer to weigh values by
         self._submit(self.planner.transfer(push, None, None, compress=self.compress_sums), grad)
         self.planner.steps[key] = step + 1
@@ -332,17 +332,6 @@ class Aggregator:
         if self.trace is not None:
             path = self.trace.write()
             log.info("slimgc: trace of rank %d written to %s", self.transport.rank, path)
-
-
-def check_momentum(codec, momentum, example):
-    """Refuse an optimizer with momentum under a codec that applies momentum itself (dgc's
-    momentum correction accumulates the velocity before sparsifying), naming the fix:
-    `example` % (codec name, momentum) is how the adapter's user gives the codec's option."""
-    if codec is not None and codec.owns_momentum and momentum:
-        raise ValueError(
-            "codec %r applies momentum itself, so the optimizer's momentum must be 0, got "
-            "momentum=%r: create the optimizer with momentum=0 and give the codec's own option "
-            "instead, e.g. %s" % (codec.name, momentum, example % (codec.name, momentum)))
 
 
 def report(agg, compressor, pieces):

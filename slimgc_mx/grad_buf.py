@@ -201,7 +201,7 @@ def stream_pieces(codec, size, send, lane_bounds, num_workers):
 
 class FusedEncode:
     """bit_buf of one push encoded inside its local update: the codec's encode with the
-    local SGD step in the same pass (Codec.fuses_local_update), so grad_buf is read once.
+    local SGD step in the same pass (Traits.fuses_local_update), so grad_buf is read once.
 
     With `pieces` (a streamed push) each Piece is encoded by an operator of its own,
     which writes that piece's array, so the transport pushes a piece as soon as it is

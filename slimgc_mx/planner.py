@@ -325,11 +325,13 @@ class Planner:
         # The codec's state is that of the key's last decoded push (the caller waited for
         # it), the same on every worker, so every worker exchanges the same rounds.
         rounds, wire_class = tuple(codec.push_rounds(b.size, n)), codec.wire_class
+        traits = codec.traits
         if b.device is not None:
-            return Plan(COMPRESSED, DEVICE, DEVICE, DEVICE, FINITE, serial, rounds, wire_class)
+            return Plan(COMPRESSED, DEVICE, DEVICE, DEVICE, FINITE, serial, rounds, wire_class,
+                        optimizer_view=traits.wants_optimizer)
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
         # sum tile by tile inside its update: the aggregate never goes to memory.
-        in_update = (not serial and decodes_in_update is not None and codec.decodes_by_table
+        in_update = (not serial and decodes_in_update is not None and traits.decodes_by_table
                      and decodes_in_update(b))
         encode = grad_check = ENCODER
         pieces = None
@@ -337,12 +339,12 @@ class Planner:
             # The local update's SGD pass reads the gradient anyway: it encodes bit_buf in
             # that pass (FusedEncode), else counts NaN/Inf so the encoder skips its own.
             grad_check = LOCAL_UPDATE
-            if codec.fuses_local_update and not codec.wants_optimizer:
+            if traits.fuses_local_update and not traits.wants_optimizer:
                 pieces = self._pieces(b, rounds, wire_class)
                 encode = LOCAL_UPDATE if pieces is None else PIECES
         return Plan(COMPRESSED, encode, UPDATE if in_update else FINISHER, grad_check,
                     FINITE_IN_RANGE if in_update else FINITE, serial, rounds, wire_class,
-                    pieces)
+                    pieces, traits.wants_optimizer)
 
     def _pieces(self, b, rounds, wire_class):
         """The Pieces a push encoded in its local update is encoded and sent as, one by
@@ -476,4 +478,15 @@ class Planner:
                 b.codec.load_state_dict(ks["codec"])
 
 
-__all__ = ["Bucket", "FusedRoute", "Planner", "Push"]
+def check_momentum(codec, momentum, example):
+    """Refuse an optimizer with momentum under a codec that applies momentum itself (dgc's
+    momentum correction accumulates the velocity before sparsifying), naming the fix:
+    `example` % (codec name, momentum) is how the adapter's user gives the codec's option."""
+    if codec is not None and codec.traits.owns_momentum and momentum:
+        raise ValueError(
+            "codec %r applies momentum itself, so the optimizer's momentum must be 0, got "
+            "momentum=%r: create the optimizer with momentum=0 and give the codec's own option "
+            "instead, e.g. %s" % (codec.name, momentum, example % (codec.name, momentum)))
+
+
+__all__ = ["Bucket", "FusedRoute", "Planner", "Push", "check_momentum"]

@@ -51,6 +51,8 @@ class Plan:
     rounds: Tuple[int, ...] = (0,)  # the codec's rounds this push exchanges (push_rounds)
     wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
     pieces: Optional[tuple] = None  # PIECES: the grad_buf.Piece each operator encodes
+    optimizer_view: bool = False  # the encoder reads the optimizer's view of the key, which
+    #                               the aggregator hands the codec before the push
 
     @property
     def compressed(self):

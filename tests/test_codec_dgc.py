@@ -126,7 +126,7 @@ def test_wire_bits_and_memory():
     assert c.wire_bits_per_element(1) == pytest.approx(0.064)
     assert c.wire_bits_per_element(16) == pytest.approx(16 * 0.064)
     assert c.memory_size(1000) == 2000
-    assert c.owns_momentum and not codecs.create("topk").owns_momentum
+    assert c.traits.owns_momentum and not codecs.create("topk").traits.owns_momentum
 
 
 @pytest.mark.parametrize("reference", [False, True])

@@ -101,7 +101,7 @@ def test_options_and_geometry():
     assert (c.s, c.levels, c.bucket) == (8, 17, 128)
     assert c.geometry(2)[0] == 2 * 16 + 1
     assert c.lane_count(1000, 2) == -(-1000 // c.geometry(2)[1]) + 2 * 8
-    assert not c.decodes_by_table
+    assert not c.traits.decodes_by_table
     with pytest.raises(ValueError, match="codec 'qsgd' has no option clip_sigma"):
         codecs.create("qsgd", clip_sigma=1.0)
 

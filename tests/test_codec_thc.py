@@ -78,9 +78,9 @@ def test_workers_levels_add_on_the_grid():
 
 
 def test_decodes_by_table_only_without_the_rotation():
-    assert codecs.create("thc").decodes_by_table
-    assert not codecs.create("thc", **ROTATED).decodes_by_table
-    assert not codecs.create("thc", reference=True).decodes_by_table
+    assert codecs.create("thc").traits.decodes_by_table
+    assert not codecs.create("thc", **ROTATED).traits.decodes_by_table
+    assert not codecs.create("thc", reference=True).traits.decodes_by_table
 
 
 def test_the_rotation_pads_to_a_power_of_two():

@@ -1,5 +1,6 @@
 """Codecs: Cython kernels against the NumPy reference, exact aggregation, error feedback,
 input errors, the NaN/Inf policy, shared-state agreement, clone/state_dict."""
+import dataclasses
 import os
 import re
 import warnings
@@ -315,11 +316,37 @@ def test_registry():
     listed = ", ".join("'%s'" % n for n in sorted(declared))
     with pytest.raises(ValueError, match=re.escape("valid names: " + listed)):
         codecs.create("3bit")
-    assert codecs.create("2bit", reference=True).is_reference
-    assert not codecs.create("2bit").is_reference
+    assert codecs.create("2bit", reference=True).traits.reference
+    assert not codecs.create("2bit").traits.reference
     assert codecs.create("2bit").threshold == 0.5
     with pytest.raises(TypeError):
         codecs.register(int)
+
+
+def test_traits_are_one_frozen_record_per_instance():
+    from slimgc_mx.codecs.base import Traits
+    for name in codecs.available():
+        for reference in (False, True):
+            t = codecs.create(name, reference=reference).traits
+            assert isinstance(t, Traits) and t.reference == reference
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                t.fuses_local_update = True
+    # a reference decodes with NumPy and runs no fused pass, whatever its codec declares
+    assert codecs.create("2bit").traits.decodes_by_table
+    assert not codecs.create("2bit", reference=True).traits.decodes_by_table
+    assert not codecs.create("2bit", reference=True).traits.fuses_local_update
+    # traits that follow the options (thc's rotation reads the gradient in its own pass)
+    assert codecs.create("thc").traits.fuses_local_update
+    assert not codecs.create("thc", hadamard=True).traits.fuses_local_update
+
+
+@pytest.mark.parametrize("attr, fix", [("fuses_local_update", "fuses_local_update="),
+                                       ("is_reference", "reference=")])
+def test_a_trait_as_a_bare_class_attribute_is_refused(attr, fix):
+    # nothing reads a bare attribute: it would be ignored without a word
+    with pytest.raises(TypeError, match=r"sets %s as class attributes.*TRAITS = Traits\(%s"
+                       % (attr, re.escape(fix))):
+        type("Old", (codecs.create("2bit").__class__,), {attr: True})
 
 
 @pytest.mark.parametrize("bad", [0, -0.5, float("nan"), float("inf"), 1e-50, 1e39, "0.5", True])

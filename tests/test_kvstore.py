@@ -414,7 +414,7 @@ def test_backup_local_update_checks_the_gradient_for_the_encoder(name, options):
         w = mx.nd.ones(size)
         kv.broadcast(0, w, out=w)
         b = kv._agg.planner.keys[0]
-        assert b.codec.fuses_local_update == fused
+        assert b.codec.traits.fuses_local_update == fused
         checked, encode = [], b.codec.encode
         b.codec.encode = lambda *a, **k: (
             checked.append(k.get("local") is not None if fused else k.get("grad_checked")),

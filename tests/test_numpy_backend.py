@@ -26,7 +26,7 @@ def test_numpy_backend_gives_the_mxnet_adapters_weights(name, backup):
     w0, grads = numpy_engine.problem(2, 4, seed=3)
     config = dict(compressor=name, comm_threshold=256, backup=backup, threshold=0.05)
     opt = OPT
-    if codecs.create(name).owns_momentum:  # dgc applies momentum itself
+    if codecs.create(name).traits.owns_momentum:  # dgc applies momentum itself
         opt, config["codec_options"] = OPT[:1] + (0.0,) + OPT[2:], {"momentum": 0.9}
         # MXNet updates a fused bucket with its multi-tensor op, whose rule without
         # momentum rounds differently from sgd_update's (the kernel's) in the last bit

@@ -129,6 +129,8 @@ def test_the_codec_decides_where_it_encodes_and_decodes(monkeypatch, name, encod
     assert {(p.encode, p.decode, p.grad_check, p.sum_check) for p in plans} == {
         (encode, decode, LOCAL_UPDATE, FINITE)}
     assert {p.rounds for p in plans} >= {rounds}
+    # the one codec whose encoder reads the optimizer's view gets it through the plan
+    assert {p.optimizer_view for p in plans} == {name == "gcomp"}
 
 
 def test_the_warm_up_is_serial_and_checked_and_decoded_in_the_pipeline(monkeypatch):

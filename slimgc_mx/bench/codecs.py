@@ -157,7 +157,7 @@ def bench_codec(name, args, grad, n_threads, on_phase=None):
     """
     n, n_workers = grad.shape[0], args.workers
     threshold = args.threshold if name == "2bit" else None
-    view = optimizer_view(n, args.seed) if codecs.create(name).wants_optimizer else None
+    view = optimizer_view(n, args.seed) if codecs.create(name).traits.wants_optimizer else None
     result = {}
     impls = {"": dict(num_threads=n_threads), "_1thread": dict(num_threads=1),
              "reference_": dict(reference=True)}

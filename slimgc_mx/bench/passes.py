@@ -6,7 +6,7 @@ write into the parameters, the NaN pre-check, the encode, the finisher's check o
 sum, the decode and the global update, as far as they are separate passes) with the
 bytes each reads and writes per element, from the same decisions the kvstore makes:
 which tensors the threshold compresses (`--comm-threshold`), whether the local update
-encodes in its own pass (Codec.fuses_local_update) or counts NaN/Inf so the encoder
+encodes in its own pass (Traits.fuses_local_update) or counts NaN/Inf so the encoder
 skips its own check (Planner.checks_in_local_update), and whether the SGD kernel
 decodes the lanes inside its update (GlobalUpdate.decodes_in_update: MXNet's SGD and a
 codec that decodes by table). The floor is what a step must touch at least (read the
@@ -106,8 +106,9 @@ def no_comm_bytes(momentum=True):
 def plan(sizes, codec, num_workers, comm_threshold, backup=True, momentum=True):
     """The report of a model whose tensors hold `sizes` elements under `codec`."""
     bits = codec.wire_bits_per_element(num_workers)
-    fused = codec.decodes_by_table  # with MXNet's SGD, the only optimizer this plan models
-    encode_fused = backup and codec.fuses_local_update and not codec.wants_optimizer
+    fused = codec.traits.decodes_by_table  # with MXNet's SGD, the only optimizer this plan models
+    encode_fused = (backup and codec.traits.fuses_local_update
+                    and not codec.traits.wants_optimizer)
     comp = [n for n in sizes if 4 * n >= comm_threshold]
     full = [n for n in sizes if 4 * n < comm_threshold]
     c_passes = compressed_passes(bits, backup, momentum, fused, encode_fused)

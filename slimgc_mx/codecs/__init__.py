@@ -9,10 +9,10 @@ here imports MXNet.
 """
 from . import (dgc, fourbit, gcomp, none, onebit, powersgd, qsgd, randomk,  # noqa: F401
                terngrad, thc, topk, twobit)  # (each registers its codec)
-from .base import Codec, NonFiniteGradientError, OptimizerView
+from .base import Codec, NonFiniteGradientError, OptimizerView, Traits
 from .feedback import ErrorFeedback
 from .lanes import LaneCodec, lane_geometry
 from .registry import available, create, option_names, register
 
 __all__ = ["Codec", "ErrorFeedback", "LaneCodec", "NonFiniteGradientError", "OptimizerView",
-           "available", "create", "lane_geometry", "option_names", "register"]
+           "Traits", "available", "create", "lane_geometry", "option_names", "register"]

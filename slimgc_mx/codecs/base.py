@@ -187,14 +187,38 @@ class OptimizerView:
     t: int = 1
 
 
+@dataclass(frozen=True)
+class Traits:
+    """What the engine may assume of one codec instance, beside its wire: fixed when the
+    codec is made (from its class and options); the engine decides on it in Planner.plan."""
+
+    #: encode takes `local` (kernels.LocalSGD): the backup's local SGD step runs in the
+    #: encoder's pass, so the gradient is read once (lanes.LaneCodec.encode).
+    fuses_local_update: bool = False
+    #: The lanes of elements [j*k, (j+m)*k) depend on those elements (and their residual)
+    #: alone, so a key can be encoded and sent piece by piece (piece_elements).
+    encodes_by_piece: bool = False
+    #: The SGD kernel can decode this codec's sums inside its update (decode_table).
+    decodes_by_table: bool = False
+    #: encode reads the optimizer's view of the key (set_optimizer_view).
+    wants_optimizer: bool = False
+    #: The codec applies momentum itself (dgc's momentum correction): the optimizer's must be 0.
+    owns_momentum: bool = False
+    #: The NumPy implementation, the test oracle of the compiled one.
+    reference: bool = False
+
+
+_TRAIT_NAMES = frozenset(Traits.__dataclass_fields__)
+
+
 class Codec:
     """A gradient codec with its shared per-key state; subclasses give the wire format.
 
     Class attributes: `name` (registry name), `wire_dtype` (what travels),
     `takes_threshold` / `default_threshold`, `options` ({name: Option}, given as
     create(name, **options) or compression_params), `feedback` (the error-feedback seam,
-    feedback.ErrorFeedback, or None for a codec without memory), `is_reference`
-    (the NumPy implementation, the test oracle), `stochastic` (draws from rng.py).
+    feedback.ErrorFeedback, or None for a codec without memory), `TRAITS` (its Traits;
+    a codec whose traits follow its options overrides `declare_traits`).
     """
 
     name = None
@@ -203,18 +227,19 @@ class Codec:
     default_threshold = None
     options = {}
     feedback = ErrorFeedback()
-    is_reference = False
-    stochastic = False
-    #: The codec applies momentum itself (dgc's momentum correction): the optimizer's must be 0.
-    owns_momentum = False
-    #: True when encode reads the optimizer's view of the key (set_optimizer_view).
-    wants_optimizer = False
-    #: True when encode takes `local` (kernels.LocalSGD): the backup's local SGD step in
-    #: the encoder's pass, so the gradient is read once (lanes.LaneCodec.encode).
-    fuses_local_update = False
-    #: True when the lanes of elements [j*k, (j+m)*k) depend on those elements (and their
-    #: residual) alone, so a key can be encoded and sent piece by piece (piece_elements).
-    encodes_by_piece = False
+    TRAITS = Traits()
+
+    def __init_subclass__(cls, **kwargs):
+        """Refuse a trait declared as a bare class attribute (the engine reads `traits`
+        alone, so it would be ignored without a word)."""
+        super().__init_subclass__(**kwargs)
+        bare = sorted(set(vars(cls)) & (_TRAIT_NAMES | {"is_reference"}))
+        if bare:
+            raise TypeError("codec class %s sets %s as class attributes; declare traits as "
+                            "TRAITS = Traits(%s=...) (codecs/base.py Traits), or override "
+                            "declare_traits() when they follow the options"
+                            % (cls.__name__, ", ".join(bare), bare[0].replace(
+                                "is_reference", "reference")))
 
     def __init__(self, threshold=None, num_threads=None, **options):
         threshold = check_threshold(threshold, self.name)
@@ -229,6 +254,7 @@ class Codec:
         self.option_values = {name: spec.parse(self.name, name, options.get(name, spec.default))
                               for name, spec in sorted(self.options.items())}
         self.check_options()
+        self.traits = self.declare_traits()
         self.seed = 0  # this key's RNG key (rng.key_seed of the job seed and the key)
         self.pushes = 0  # sums decoded so far: the step every worker agrees on
         self.optimizer_view = None  # an OptimizerView, for a codec that wants_optimizer
@@ -237,6 +263,11 @@ class Codec:
     def check_options(self):
         """Refuse a combination of options known not to train (ValueError naming the
         option, why and the fix); called once the options are parsed."""
+
+    def declare_traits(self):
+        """This instance's Traits (called once, after the options are parsed): the class's
+        TRAITS, which a codec whose traits follow its options or family refines."""
+        return self.TRAITS
 
     @property
     def threshold(self):
@@ -361,8 +392,3 @@ class Codec:
         payload size depends on the data pre-declares several slot sizes and picks one per
         push (`wire_class`). The default: one, wire_rounds()."""
         return [self.wire_rounds(size, shape, num_workers)]
-
-    @property
-    def decodes_by_table(self):
-        """True when the SGD kernel can decode this codec's sums inside its update."""
-        return False

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from . import rng
-from .base import NonFiniteGradientError, Option, kernels, raise_nonfinite
+from .base import NonFiniteGradientError, Option, Traits, kernels, raise_nonfinite
 from .layout import CHECK_CHUNK, CHUNK_LANES
 from .lanes import chunk_sum
 from .registry import register
@@ -39,7 +39,7 @@ class DGC(TopK):
     """Momentum correction, local accumulation and masking before topk's selection."""
 
     name = "dgc"
-    owns_momentum = True
+    TRAITS = Traits(owns_momentum=True)
     options = {
         "ratio": Option(float, 0.001, lambda v: 0 < v <= 1,
                         "a number in (0, 1]: the fraction sent after warm-up (the paper: "

@@ -11,7 +11,7 @@ is declared, and push_rounds() picks the group's.
 """
 import numpy as np
 
-from .base import kernels
+from .base import Traits, kernels
 from .lanes import LaneCodec, LaneReference, lane_geometry
 from .registry import register
 
@@ -68,7 +68,7 @@ class FourBit(LaneCodec):
 
     name = "4bit"
     trailer_lanes = 1
-    fuses_local_update = True
+    TRAITS = Traits(fuses_local_update=True)
 
     def __init__(self, threshold=None, num_threads=None):
         super().__init__(threshold=threshold, num_threads=num_threads)

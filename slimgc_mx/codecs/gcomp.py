@@ -19,11 +19,12 @@ import heapq
 import math
 import numbers
 import zlib
+from dataclasses import replace
 
 import numpy as np
 
-from .base import (Codec, NonFiniteGradientError, Option, check_disjoint, check_num_workers,
-                   check_vector, kernels, output, raise_nonfinite)
+from .base import (Codec, NonFiniteGradientError, Option, Traits, check_disjoint,
+                   check_num_workers, check_vector, kernels, output, raise_nonfinite)
 from .registry import register
 
 #: Elements per block: blocks encode and decode independently (and in parallel).
@@ -200,7 +201,7 @@ class GComp(Codec):
 
     name = "gcomp"
     wire_dtype = np.dtype(np.float32)
-    wants_optimizer = True
+    TRAITS = Traits(wants_optimizer=True)
     options = {
         "refresh": Option(int, 50, lambda v: 1 <= v <= 10 ** 9,
                           "an integer >= 1: pushes between rebuilds of the code table"),
@@ -774,7 +775,7 @@ def _unpack(words, starts, counts, table):
 class GCompReference(GComp):
     """The NumPy implementation of gcomp, bitwise equal to the kernels: the test oracle."""
 
-    is_reference = True
+    TRAITS = replace(GComp.TRAITS, reference=True)
 
     def _encode_blocks(self, grad, residual, args, stride, grad_checked):
         c = self.feedback.compensate(grad, residual)

@@ -20,6 +20,7 @@ import functools
 import math
 import numbers
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
@@ -158,7 +159,7 @@ class LaneCodec(Codec):
                 + num_workers * self.gathered_count(size))
 
     def piece_elements(self, size, num_workers, lane_bounds):
-        if not self.encodes_by_piece or self.trailer_lanes or self.gathered_count(size):
+        if not self.traits.encodes_by_piece or self.trailer_lanes or self.gathered_count(size):
             return None
         _, k = self.geometry(num_workers)
         if lane_bounds[-1][1] != self.body_lanes(size, num_workers):
@@ -235,7 +236,7 @@ class LaneCodec(Codec):
         SGD step runs in the same pass over grad, tile by tile, and writes local.output;
         grad is then checked as with grad_checked=True.
         """
-        if local is not None and not self.fuses_local_update:
+        if local is not None and not self.traits.fuses_local_update:
             raise TypeError("%s cannot run the local update in its encoder; call encode "
                             "without local" % self.name)
         n_workers = check_num_workers(num_workers)
@@ -283,10 +284,11 @@ class LaneCodec(Codec):
             self._agree(stat)
         self.pushes += 1
 
-    @property
-    def decodes_by_table(self):
-        """True when decode_table serves this codec (it decodes with the shared table kernel)."""
-        return type(self)._decode_into is LaneCodec._decode_into
+    def declare_traits(self):
+        """decodes_by_table where decode_table serves this codec: its decode is the shared
+        table kernel's."""
+        return replace(super().declare_traits(),
+                       decodes_by_table=type(self)._decode_into is LaneCodec._decode_into)
 
     def decode_table(self, lanes_sum, size, num_workers):
         """(k, m, rows) for kernels.decode_sgd_step: decode() without writing the values.
@@ -294,7 +296,7 @@ class LaneCodec(Codec):
         Checks lanes_sum as decode does and advances the shared state as decode does,
         so the table must serve exactly this sum.
         """
-        if not self.decodes_by_table:
+        if not self.traits.decodes_by_table:
             raise TypeError("%s decodes without the table kernel; call decode" % self.name)
         n_workers, radix, k, stat = self._check_sum(lanes_sum, size, num_workers)
         m, rows = self._rows(n_workers, radix, k, size)
@@ -413,8 +415,10 @@ class LaneReference:
     codec gives `_levels` and, with a trailer, `_statistic`.
     """
 
-    is_reference = True
-    fuses_local_update = False
+    def declare_traits(self):
+        """The oracle: NumPy passes, so neither a fused local update nor the table decode."""
+        return replace(super().declare_traits(), reference=True, fuses_local_update=False,
+                       decodes_by_table=False)
 
     def _levels(self, compensated):
         """int64 level q of each compensated value (grad + residual, float32)."""

@@ -1,7 +1,7 @@
 """none: full-precision passthrough; the lanes are the float32 gradient itself."""
 import numpy as np
 
-from .base import check_num_workers, kernels, raise_nonfinite
+from .base import Traits, check_num_workers, kernels, raise_nonfinite
 from .lanes import LaneCodec
 from .registry import register
 
@@ -39,7 +39,7 @@ class NoneCodec(LaneCodec):
 
 @register(reference=True)
 class NoneReference(NoneCodec):
-    is_reference = True
+    TRAITS = Traits(reference=True)
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         c = self.feedback.compensate(grad, residual)

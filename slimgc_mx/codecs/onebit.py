@@ -7,7 +7,7 @@ push has s = 0: it sends only the statistic and error feedback keeps the gradien
 """
 import numpy as np
 
-from .base import kernels
+from .base import Traits, kernels
 from .lanes import LaneCodec, LaneReference, SharedScale
 from .registry import register
 
@@ -22,7 +22,7 @@ class OneBit(SharedScale, LaneCodec):
     name = "1bit"
     levels = 2
     trailer_lanes = 1
-    fuses_local_update = True
+    TRAITS = Traits(fuses_local_update=True)
 
     def __init__(self, threshold=None, num_threads=None):
         super().__init__(threshold=threshold, num_threads=num_threads)

@@ -15,8 +15,8 @@ import math
 import numpy as np
 
 from . import rng
-from .base import (Codec, NonFiniteGradientError, Option, check_disjoint, check_num_workers,
-                   check_vector, kernels, output, raise_nonfinite)
+from .base import (Codec, NonFiniteGradientError, Option, Traits, check_disjoint,
+                   check_num_workers, check_vector, kernels, output, raise_nonfinite)
 from .registry import register
 
 
@@ -241,7 +241,7 @@ class PowerSGD(Codec):
 class PowerSGDReference(PowerSGD):
     """The NumPy oracle: the same BLAS products, the per-element passes in NumPy."""
 
-    is_reference = True
+    TRAITS = Traits(reference=True)
 
     def _compensate(self, grad, residual, out, grad_checked):
         c = self.feedback.compensate(grad, residual)

@@ -17,7 +17,7 @@ is summed by one thread, and 1 and N threads agree bit for bit.
 import numpy as np
 
 from . import rng
-from .base import Option, kernels
+from .base import Option, Traits, kernels
 from .lanes import (ALLOW_UNBIASED_FEEDBACK, NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference,
                     refuse_divergent)
 from .layout import CHUNK_LANES
@@ -47,8 +47,7 @@ class QSGD(LaneCodec):
 
     name = "qsgd"
     gathered = 1  # per bucket: gathered_count(size) values per worker
-    stochastic = True
-    fuses_local_update = True
+    TRAITS = Traits(fuses_local_update=True)
     options = {
         "levels": Option(int, 16, lambda v: 1 <= v <= 32767,
                          "an integer s in 1..32767 (levels per sign; 2s + 1 levels in all)"),

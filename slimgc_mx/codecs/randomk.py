@@ -12,8 +12,8 @@ import numbers
 import numpy as np
 
 from . import rng
-from .base import (Codec, Option, check_disjoint, check_num_workers, check_vector, kernels,
-                   output, raise_nonfinite)
+from .base import (Codec, Option, Traits, check_disjoint, check_num_workers, check_vector,
+                   kernels, output, raise_nonfinite)
 from .registry import register
 
 #: Largest tensor randomk takes: stratum arithmetic s * n stays in int64.
@@ -36,7 +36,6 @@ class RandomK(Codec):
 
     name = "randomk"
     wire_dtype = np.dtype(np.float32)
-    stochastic = True
     options = {"ratio": Option(float, 0.01, lambda v: math.isfinite(v) and 0 < v <= 1,
                                "a number in (0, 1]: the fraction of elements sent")}
 
@@ -104,7 +103,7 @@ class RandomK(Codec):
 class RandomKReference(RandomK):
     """The NumPy oracle: the same indices, gather and scatter."""
 
-    is_reference = True
+    TRAITS = Traits(reference=True)
 
     def _encode_into(self, grad, residual, out, grad_checked):
         c = self.feedback.compensate(grad, residual)

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import rng
-from .base import Option, kernels
+from .base import Option, Traits, kernels
 from .lanes import (ALLOW_UNBIASED_FEEDBACK, NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference,
                     SharedScale, chunk_sum, refuse_divergent)
 from .registry import register
@@ -39,8 +39,7 @@ class TernGrad(SharedScale, LaneCodec):
     name = "terngrad"
     levels = 3
     gathered = 1
-    stochastic = True
-    fuses_local_update = True
+    TRAITS = Traits(fuses_local_update=True)
     options = {
         "clip_sigma": Option(float, 2.5, lambda v: 0 <= v < 1e6 and math.isfinite(v),
                              "a number >= 0 (the paper's 2.5; 0: no clipping)"),

@@ -16,10 +16,12 @@ quantizes y (the statistic is then max |y|); the decoded sum is rotated back. Th
 residual stays in the original domain: it is c minus the rotated-back one-worker
 value, so error feedback is exact as for every other codec.
 """
+from dataclasses import replace
+
 import numpy as np
 
 from . import rng
-from .base import NonFiniteGradientError, Option, kernels, raise_nonfinite
+from .base import NonFiniteGradientError, Option, Traits, kernels, raise_nonfinite
 from .lanes import (ALLOW_UNBIASED_FEEDBACK, LaneCodec, LaneReference, SharedScale, pack_lanes,
                     refuse_divergent)
 from .registry import register
@@ -40,7 +42,7 @@ class THC(SharedScale, LaneCodec):
 
     name = "thc"
     gathered = 1
-    stochastic = True
+    TRAITS = Traits(fuses_local_update=True)
     options = {
         "granularity": Option(int, 16, lambda v: 2 <= v <= 65536,
                               "an integer in 2..65536 (levels of the uniform grid)"),
@@ -58,10 +60,12 @@ class THC(SharedScale, LaneCodec):
                              % self.option_values["granularity"],
                              "use granularity >= 4 (the default is 16)")
 
-    @property
-    def fuses_local_update(self):
-        """Without the rotation, whose own pass reads the gradient first."""
-        return not self.hadamard
+    def declare_traits(self):
+        """The rotation's own pass reads the gradient first, and its decode rotates back:
+        with it, neither the fused local update nor the table decode."""
+        t = super().declare_traits()
+        return replace(t, fuses_local_update=t.fuses_local_update and not self.hadamard,
+                       decodes_by_table=not self.hadamard)
 
     @staticmethod
     def _valid_scale(scale):
@@ -102,11 +106,6 @@ class THC(SharedScale, LaneCodec):
             return n
         _, k = self.geometry(num_workers)
         return n - (-(-int(size) // k)) + (-(-padded_size(int(size)) // k))
-
-    @property
-    def decodes_by_table(self):
-        """The table serves the plain codec; the rotated one decodes, then rotates back."""
-        return not (self.hadamard or self.is_reference)
 
     def _sign_seed(self):
         return rng.mix64(self.push_seed() ^ SIGN_SALT)

@@ -18,6 +18,7 @@ not depend on the sample: the NumPy reference selects from the whole tensor.
 """
 import math
 import numbers
+from dataclasses import replace
 
 import numpy as np
 
@@ -226,7 +227,8 @@ class SparseReference:
     """NumPy decode of topk's slots (mixed in before the codec class): parse every slot,
     then add them into zeros worker after worker."""
 
-    is_reference = True
+    def declare_traits(self):
+        return replace(super().declare_traits(), reference=True)
 
     def _decode_into(self, gathered, out, slot, k, num_workers):
         entries = []

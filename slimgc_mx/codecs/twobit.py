@@ -1,7 +1,7 @@
 """2bit (MXNet semantics): r += g; r >= t -> +t, r <= -t -> -t, else 0; r keeps the rest."""
 import numpy as np
 
-from .base import kernels
+from .base import Traits, kernels
 from .lanes import LaneCodec, LaneReference
 from .registry import register
 
@@ -14,8 +14,7 @@ class TwoBit(LaneCodec):
     levels = 3
     takes_threshold = True
     default_threshold = 0.5
-    fuses_local_update = True
-    encodes_by_piece = True
+    TRAITS = Traits(fuses_local_update=True, encodes_by_piece=True)
 
     def _affine(self):
         return float(np.float32(self._threshold)), 1, -1

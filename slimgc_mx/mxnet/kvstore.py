@@ -13,7 +13,8 @@ import mxnet as mx
 from mxnet.kvstore import KVStoreBase
 
 from .. import checkpoint, codecs, env, shutdown
-from ..aggregator import Aggregator, check_momentum, report
+from ..aggregator import Aggregator, report
+from ..planner import check_momentum
 from ..config import SlimGCConfig
 from ..transport import create_transport
 from . import hooks

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint
-from ..aggregator import Aggregator, check_momentum
+from ..aggregator import Aggregator
+from ..planner import check_momentum
 from ..config import SlimGCConfig
 from ..transport.local import LocalTransport
 from .collective import TorchTransport

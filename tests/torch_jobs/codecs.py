@@ -18,7 +18,7 @@ for name in codecs.available():
     if name == "none":
         continue
     net = model()
-    own = codecs.create(name).owns_momentum
+    own = codecs.create(name).traits.owns_momentum
     opt = slimgc.DistributedOptimizer(
         torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.0 if own else 0.9), net,
         compression=name, comm_threshold=0, warmup_steps=2, backup=backup)
