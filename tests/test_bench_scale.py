@@ -67,6 +67,21 @@ def test_ps_pieces_overlap_push_and_pull():
     assert t == pytest.approx(4 * piece + 1e-3 + piece)
 
 
+def test_a_half_duplex_link_takes_pushes_and_pulls_in_turn():
+    one = 4 * (1 << 20) / GBIT
+    keys = [_fp32(1 << 20), _fp32(1 << 20)]
+    # full duplex: the second push overlaps the first pull
+    assert scale.ps_seconds(keys, _setup(4), pieces=False) == pytest.approx(3 * one + 1e-3)
+    half = _setup(4, link=replace(_link(), duplex="half"))
+    assert scale.ps_seconds(keys, half, pieces=False) == pytest.approx(4 * one + 2e-3)
+    # a ring's send and receive take turns too: its byte term doubles
+    ring, ring_half = replace(_setup(4), backend="ring"), replace(half, backend="ring")
+    fp32 = [_fp32(1 << 20)]
+    latency = 2 * 3 * 1e-3
+    assert scale.ring_seconds(fp32, ring_half) - latency == pytest.approx(
+        2 * (scale.ring_seconds(fp32, ring) - latency))
+
+
 def test_ps_second_round_waits_for_the_first_sum():
     two = scale.TensorCost(2e6, 2e6, ((1e6, 1e6), (1e6, 1e6)))
     step = 1e6 / GBIT
@@ -108,6 +123,38 @@ def test_step_adds_without_backup_and_overlaps_with_it():
         pytest.approx(0.51)
     # on a CPU the codec shares the compute's cores
     assert scale.step_seconds(0.3, 0.2, 0.1, 0.01, True, "cpu") == pytest.approx(0.41)
+    # and no step is shorter than its CPU work over the worker's cores
+    assert scale.step_seconds(0.3, 0.2, 0.1, 0.01, True, "cpu", 0.5) == pytest.approx(0.5)
+
+
+def test_the_cpu_floor_is_the_workers_cpu_seconds_over_its_cores():
+    setup = _setup(device="cpu", cores_per_worker=0.5, compute_cpu_s=0.2)
+    assert scale.cpu_floor(setup, 0.05, 0.01) == pytest.approx((0.2 + 0.05 + 0.01) / 0.5)
+    # an accelerator, or cores not given: no floor
+    assert scale.cpu_floor(replace(setup, device="accelerator"), 0.05, 0.01) == 0
+    assert scale.cpu_floor(replace(setup, cores_per_worker=None), 0.05, 0.01) == 0
+    model = shapes.get("fc")
+    p = scale.predict(model, scale.parse_scheme("2bit-full"), replace(setup, compute_s=0.2))
+    assert p.cpu_floor_s == pytest.approx(
+        scale.cpu_floor(setup, p.codec_s, p.keys_s)) and p.step_s >= p.cpu_floor_s
+
+
+def test_alone_keys_pay_the_inline_cost_and_strategies_the_offloaded_one():
+    model, setup = shapes.get("resnet20"), _setup(per_key_inline_s=1e-3, per_key_s=0.4e-3)
+    alone = scale.predict(model, scale.parse_scheme("2bit-alone"), setup)
+    assert alone.keys_s == pytest.approx(len(model.tensors) * 1e-3)
+    offload = scale.predict(model, scale.parse_scheme("2bit-offload"), setup)
+    assert offload.keys_s < alone.keys_s
+
+
+def test_a_one_thread_run_is_charged_the_one_thread_rates():
+    rates = scale.CodecRates({"2bit": 2e9}, {"2bit": 4e9}, 1e9, 2, "t", {"2bit": 1e9},
+                             {"2bit": 2e9})
+    assert rates.for_threads(1).encode == {"2bit": 1e9}
+    assert rates.for_threads(1).decode == {"2bit": 2e9}
+    assert rates.for_threads(2) is rates and rates.for_threads(None) is rates
+    # rates without one-thread numbers stay as they are
+    assert scale.DEFAULT_CODEC_RATES.for_threads(1) is scale.DEFAULT_CODEC_RATES
 
 
 def test_topk_stops_paying_between_40_and_64_workers():
@@ -284,6 +331,8 @@ def test_rates_come_from_a_bench_codecs_json(tmp_path, capsys):
     measured = json.loads(path.read_text())
     assert rates.workers == 4
     assert rates.encode["2bit"] == measured["codecs"]["2bit"]["encode_elems_per_s"]
+    assert rates.for_threads(1).encode["topk"] == \
+        measured["codecs"]["topk"]["encode_1thread_elems_per_s"]
     code, out, _ = _run(["--rates", str(path), "--models", "fc", "--links", "10gbit",
                          "--workers", "8", "--schemes", "2bit-alone"], capsys)
     assert code == 0 and str(path) in out
@@ -368,6 +417,21 @@ def test_validate_sets_predictions_beside_a_harness_summary(tmp_path, capsys):
     assert any("classic" in s for s in v["skipped"])
     code, out, _ = _run(["--validate", str(path)], capsys)
     assert code == 0 and "slimgc-2bit-full" in out and "error" in out and "skipped" in out
+    # on the harness's shared host: no-comm's CPU-seconds over usable CPUs / N cores
+    data = json.loads(path.read_text())
+    data["machine"] = {"usable_cpus": 2}
+    path.write_text(json.dumps(data))
+    v = scale.validate(str(path), scale.DEFAULT_CODEC_RATES)
+    assert v["cores"] == 2 and v["compute_cpu_s"] == pytest.approx(0.1)
+    floored = replace(setup, cores_per_worker=1.0, compute_cpu_s=0.1)
+    for r in v["rows"]:
+        p = scale.predict(shapes.get("fc"), scale.parse_scheme(r["config"]), floored)
+        assert r["parts_s"]["cpu_floor"] == pytest.approx(p.cpu_floor_s) > 0
+    code, out, _ = _run(["--validate", str(path), "--half-duplex"], capsys)
+    assert code == 0 and "half duplex" in out
+    half = scale.validate(str(path), scale.DEFAULT_CODEC_RATES, duplex="half")
+    assert {r["config"]: r["predicted"] for r in half["rows"]}["fp32"] < \
+        {r["config"]: r["predicted"] for r in v["rows"]}["fp32"]
 
 
 def test_validate_names_what_is_wrong_with_its_file(tmp_path, capsys):

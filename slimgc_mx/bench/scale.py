@@ -50,6 +50,11 @@ DEFAULT_RATES_SOURCE = ("docs/benchmarks.md: bench codecs on a 2-vCPU AMD EPYC V
 #: cost": 0.3-0.5 ms of CPU); a key in a fused full-precision bucket costs 3.1x less.
 PER_KEY_S = 0.4e-3
 FUSED_KEY_SHARE = 1 / 3.1
+#: The same without offload (CODEC-alone): the codec and the push run on the training
+#: thread, one key after another. Fitted once on the harness's ResNet-20 (65 tensors),
+#: 2 workers, 1 Gbit/s: the alone rows' CPU-seconds per step above no-comm's, less the
+#: codec, per key (docs/scale.md, "Validation"); held fixed for every other run.
+PER_KEY_INLINE_S = 1.0e-3
 #: A TCP round trip through ps-lite on a data-centre LAN: assumed, not measured here.
 DEFAULT_LATENCY_S = 100e-6
 #: Training FLOPs per second of one accelerator (about a V100 in fp32; its peak is 15.7
@@ -70,11 +75,13 @@ MAX_SCAN_N = 1024
 
 @dataclass(frozen=True)
 class Link:
-    """Each node's full-duplex link: per-transfer latency (push to pull answered) and rate."""
+    """Each node's link: per-transfer latency (push to pull answered) and rate, each way at
+    once ('full' duplex) or one way at a time ('half': pushes and pulls take turns)."""
 
     latency_s: float
     bandwidth_Bps: float
     label: str = ""
+    duplex: str = "full"
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,18 @@ class CodecRates:
     memcpy_elems_per_s: float
     workers: int
     source: str
+    #: The same rates with one kernel thread, where the file has them (bench codecs
+    #: measures both); a job run with one thread per process is charged these.
+    encode_1thread: Optional[Dict[str, float]] = None
+    decode_1thread: Optional[Dict[str, float]] = None
+
+    def for_threads(self, threads: Optional[int]) -> "CodecRates":
+        """The rates a process with `threads` kernel threads gets: the one-thread rates
+        for 1 where measured, else these."""
+        if threads != 1 or not self.encode_1thread or not self.decode_1thread:
+            return self
+        return CodecRates(self.encode_1thread, self.decode_1thread, self.memcpy_elems_per_s,
+                          self.workers, self.source + ", 1 thread")
 
     def seconds(self, codec: str, elements: int, pulled: float, pulled_at_rates: float):
         """Encode + decode of one tensor. The decode reads what was pulled, so bytes pulled
@@ -103,7 +122,9 @@ DEFAULT_CODEC_RATES = CodecRates({k: v[0] for k, v in DEFAULT_RATES.items()},
 class Setup:
     """The cluster and the run: N workers, S servers (None: S = N), 'ps' or 'ring', the
     link, compute per step, where compute runs ('accelerator': the host's codec work
-    overlaps it; 'cpu': it shares the cores), and SlimGC's fixed costs."""
+    overlaps it; 'cpu': it shares the cores), and SlimGC's fixed costs. On 'cpu',
+    `cores_per_worker` (None: not a limit) bounds the step from below by the worker's
+    CPU-seconds, `compute_cpu_s` of compute plus the codec and the per-key work."""
 
     workers: int
     link: Link
@@ -115,6 +136,9 @@ class Setup:
     per_key_s: float = PER_KEY_S
     piece_bytes: int = PIECE_BYTES
     margin: float = MARGIN
+    per_key_inline_s: float = PER_KEY_INLINE_S
+    cores_per_worker: Optional[float] = None
+    compute_cpu_s: Optional[float] = None
 
     @property
     def fan_in(self) -> float:
@@ -233,13 +257,17 @@ def load_rates(path: str) -> CodecRates:
         per = data["codecs"]
         enc = {k: float(v["encode_elems_per_s"]) for k, v in per.items()}
         dec = {k: float(v["decode_elems_per_s"]) for k, v in per.items()}
+        one = [{k: float(v[f]) for k, v in per.items() if f in v}
+               for f in ("encode_1thread_elems_per_s", "decode_1thread_elems_per_s")]
         memcpy = float(data["memcpy_elems_per_s"])
         workers = int(data["params"]["workers"])
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ValueError("%s: not the JSON of `python -m slimgc_mx.bench codecs --json FILE` "
                          "(no codecs.<name>.encode_elems_per_s, memcpy_elems_per_s or "
                          "params.workers)" % path) from None
-    return CodecRates(enc, dec, memcpy, workers, "%s (bench codecs, N = %d)" % (path, workers))
+    complete = all(set(d) == set(enc) for d in one)
+    return CodecRates(enc, dec, memcpy, workers, "%s (bench codecs, N = %d)" % (path, workers),
+                      *(one if complete else (None, None)))
 
 
 def _read_json(path, what):
@@ -325,8 +353,10 @@ def ps_seconds(costs: Sequence[TensorCost], setup: Setup, pieces: bool) -> float
     takes the uplink after the one before it; its pull starts one latency after its push
     ends (the servers have every worker's part) and after the pull before it. Each stage
     moves fan_in x bytes / bandwidth (the servers' links carry N / S workers' bytes). With
-    pieces (SlimGC's sum route), a key's buffer moves as pieces of piece_bytes that overlap."""
+    pieces (SlimGC's sum route), a key's buffer moves as pieces of piece_bytes that overlap.
+    On a half-duplex link the two stages are one: every push and pull in turn."""
     link, f = setup.link, setup.fan_in
+    half = link.duplex == "half"
     up = down = 0.0
     for c in costs:
         ready = 0.0  # a later round waits for the sum of the round before it
@@ -334,7 +364,7 @@ def ps_seconds(costs: Sequence[TensorCost], setup: Setup, pieces: bool) -> float
             n = max(1, math.ceil(max(push, pull) / setup.piece_bytes)) \
                 if pieces and not c.gather else 1
             for _ in range(n):
-                up = max(up, ready) + f * push / n / link.bandwidth_Bps
+                up = max(up, ready, down if half else 0.0) + f * push / n / link.bandwidth_Bps
                 down = max(down, up + link.latency_s) + f * pull / n / link.bandwidth_Bps
             ready = down
     return down
@@ -343,17 +373,19 @@ def ps_seconds(costs: Sequence[TensorCost], setup: Setup, pieces: bool) -> float
 def ring_seconds(costs: Sequence[TensorCost], setup: Setup) -> float:
     """torch.distributed on a ring, the keys of a route fused into one collective per round:
     allreduce 2(N-1) latencies + 2(N-1)/N x bytes / bandwidth; allgather (N-1) latencies +
-    (N-1) x slot bytes / bandwidth."""
+    (N-1) x slot bytes / bandwidth; each byte term doubled on a half-duplex link, where a
+    node's send and receive take turns."""
     n, link = setup.workers, setup.link
+    bandwidth = link.bandwidth_Bps / (2 if link.duplex == "half" else 1)
     total = 0.0
     for gather in (False, True):
         group = [c for c in costs if c.gather == gather]
         for r in range(max((len(c.rounds) for c in group), default=0)):
             sent = sum(c.rounds[r][0] for c in group if r < len(c.rounds))
             if gather:
-                total += (n - 1) * (link.latency_s + sent / link.bandwidth_Bps)
+                total += (n - 1) * (link.latency_s + sent / bandwidth)
             else:
-                total += 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * sent / link.bandwidth_Bps
+                total += 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * sent / bandwidth
     return total
 
 
@@ -413,6 +445,7 @@ class Prediction:
     bytes_pulled: float
     best_ct: Optional[float]
     compressed_share: float  # of the model's elements
+    cpu_floor_s: float = 0.0  # the step's lower bound by CPU (Setup.cores_per_worker)
 
     @property
     def bytes_total(self):
@@ -420,16 +453,27 @@ class Prediction:
 
 
 def step_seconds(compute: float, wire: float, codec: float, keys: float, backup: bool,
-                 device: str) -> float:
+                 device: str, cpu_floor: float = 0.0) -> float:
     """Without backup the parts add up. With backup the next step's compute overlaps the
     communication: max(compute, wire + codec) + keys on an accelerator; on a CPU the codec
     shares the cores with the compute, max(compute + codec, wire) + keys. `keys`, SlimGC's
-    per-key host work (copies, local update), is never overlapped."""
+    per-key host work (copies, local update), is never overlapped. No step is shorter than
+    `cpu_floor`, the CPU work of a step over the cores a worker has."""
     if not backup:
-        return compute + wire + codec + keys
-    if device == "cpu":
-        return max(compute + codec, wire) + keys
-    return max(compute, wire + codec) + keys
+        step = compute + wire + codec + keys
+    elif device == "cpu":
+        step = max(compute + codec, wire) + keys
+    else:
+        step = max(compute, wire + codec) + keys
+    return max(step, cpu_floor)
+
+
+def cpu_floor(setup: Setup, codec: float, keys: float) -> float:
+    """On CPUs shared by several workers: the worker's CPU-seconds of a step (compute,
+    codec, per-key work) over its share of the cores; 0 where the cores are not a limit."""
+    if setup.device != "cpu" or not setup.cores_per_worker or setup.compute_cpu_s is None:
+        return 0.0
+    return (setup.compute_cpu_s + codec + keys) / setup.cores_per_worker
 
 
 def predict(model: shapes.ModelShapes, scheme: Scheme, setup: Setup,
@@ -451,16 +495,19 @@ def predict(model: shapes.ModelShapes, scheme: Scheme, setup: Setup,
             compresses(scheme, shape) and 4 * math.prod(shape) >= best_ct)
         costs.append(tensor_cost(scheme, shape, setup.workers, q, rates))
         done += math.prod(shape) if q else 0
-        if scheme.slimgc:  # a compressed key goes alone; a full-precision one fused
+        if scheme.kind == "alone":  # every key encoded and sent from the training thread
+            keys += setup.per_key_inline_s
+        elif scheme.slimgc:  # a compressed key goes alone; a full-precision one fused
             keys += setup.per_key_s * (1.0 if q else FUSED_KEY_SHARE)
     wire = wire_seconds(costs, setup, scheme)
     codec = sum(c.codec_s for c in costs)
-    step = step_seconds(setup.compute_s, wire, codec, keys, scheme.backup, setup.device)
+    floor = cpu_floor(setup, codec, keys)
+    step = step_seconds(setup.compute_s, wire, codec, keys, scheme.backup, setup.device, floor)
     return Prediction(scheme.label, model.name, setup.link.label, setup.workers,
                       "ring" if scheme.kind.startswith("horovod") else setup.backend, step,
                       setup.batch / step, setup.compute_s, wire, codec, keys,
                       sum(c.push for c in costs), sum(c.pull for c in costs), best_ct,
-                      done / model.elements)
+                      done / model.elements, floor)
 
 
 def stops_paying(model, scheme, setup, rates, limit=MAX_SCAN_N) -> Optional[int]:
@@ -496,7 +543,8 @@ class Table:
 
 
 def tabulate(model_names, links, workers, schemes, rates, batch=DEFAULT_BATCH,
-             compute_s=None, backend="ps", per_key_s=PER_KEY_S, progress=None) -> List[Table]:
+             compute_s=None, backend="ps", per_key_s=PER_KEY_S,
+             per_key_inline_s=PER_KEY_INLINE_S, progress=None) -> List[Table]:
     """Every scheme at every N for every model and link, with the N where each stops paying."""
     tables = []
     for name in model_names:
@@ -504,7 +552,8 @@ def tabulate(model_names, links, workers, schemes, rates, batch=DEFAULT_BATCH,
         compute = compute_s if compute_s is not None else default_compute_s(model, batch)
         for link in links:
             t0 = time.monotonic()
-            setup = Setup(workers[0], link, compute, batch, backend=backend, per_key_s=per_key_s)
+            setup = Setup(workers[0], link, compute, batch, backend=backend, per_key_s=per_key_s,
+                          per_key_inline_s=per_key_inline_s)
             table = Table(model, link, setup)
             for scheme in schemes:
                 if scheme.kind == "mxnet-2bit" and backend == "ring":
@@ -554,8 +603,9 @@ def format_tables(tables: List[Table], rates: CodecRates) -> str:
 
 
 def _link_text(link):
-    return "link %s: %.3g Gbit/s, latency %s" % (link.label, link.bandwidth_Bps * 8 / 1e9,
-                                                 _fmt_time(link.latency_s))
+    return "link %s: %.3g Gbit/s, latency %s%s" % (
+        link.label, link.bandwidth_Bps * 8 / 1e9, _fmt_time(link.latency_s),
+        ", half duplex" if link.duplex == "half" else "")
 
 
 def _bytes_cell(p: Prediction) -> str:
@@ -579,11 +629,14 @@ def _short_bytes(n) -> str:
 
 def validate(summary_path: str, rates: CodecRates, latency_s: Optional[float] = None,
              link: Optional[Link] = None, compute_s: Optional[float] = None,
-             per_key_s: float = PER_KEY_S) -> dict:
+             per_key_s: float = PER_KEY_S, per_key_inline_s: float = PER_KEY_INLINE_S,
+             duplex: str = "full") -> dict:
     """Predicted against measured for every configuration of a harness summary.json that the
     model covers. The link: the run's rate limit with the latency its CTTab fitted (else
     `latency_s`, else the default) plus twice its one-way delay; compute: the run's no-comm
-    step unless `compute_s` is given."""
+    step unless `compute_s` is given. The harness runs every process on one host: each
+    worker gets usable CPUs / N cores, no-comm's CPU-seconds of compute, and the codec
+    rates of the run's kernel threads (one-thread rates where `rates` has them)."""
     data = _read_json(summary_path, "a summary.json of `python -m slimgc_mx.bench cluster`")
     if not isinstance(data, dict) or not isinstance(data.get("results"), list) \
             or "workers" not in data or "model" not in data:
@@ -602,16 +655,23 @@ def validate(summary_path: str, rates: CodecRates, latency_s: Optional[float] = 
             latency_s = float(fitted["latency_s"]) if fitted else DEFAULT_LATENCY_S
         latency_s += 2 * (_seconds(data["delay"]) if data.get("delay") else 0.0)
         link = Link(latency_s, rate_bits(data["bandwidth"]) / 8,
-                    "%s@%s" % (data["bandwidth"], _fmt_time(latency_s)))
+                    "%s@%s" % (data["bandwidth"], _fmt_time(latency_s)), duplex)
     by = {r["config"]: r for r in data["results"] if r.get("ok")}
     if compute_s is None:
         compute_s = ((by.get("no-comm") or {}).get("step_s") or {}).get("median")
         if compute_s is None:
             raise ValueError("%s has no no-comm run to take the compute from; give "
                              "--compute-ms" % summary_path)
-    setup = Setup(int(data["workers"]), link, compute_s, int(data.get("batch_size") or 32),
-                  servers=int(data.get("servers") or data["workers"]), device="cpu",
-                  per_key_s=per_key_s)
+    workers = int(data["workers"])
+    cores = (data.get("machine") or {}).get("usable_cpus")
+    compute_cpu = (by.get("no-comm") or {}).get("cpu_s_per_step_per_worker")
+    threads = data.get("threads")
+    rates = rates.for_threads(threads)
+    setup = Setup(workers, link, compute_s, int(data.get("batch_size") or 32),
+                  servers=int(data.get("servers") or workers), device="cpu",
+                  per_key_s=per_key_s, per_key_inline_s=per_key_inline_s,
+                  cores_per_worker=cores / workers if cores else None,
+                  compute_cpu_s=compute_cpu)
     rows, skipped = [], []
     for name, rec in by.items():
         try:
@@ -630,27 +690,36 @@ def validate(summary_path: str, rates: CodecRates, latency_s: Optional[float] = 
                      "predicted_best_ct": p.best_ct,
                      "measured_best_ct": rec.get("comm_threshold_bytes"),
                      "parts_s": {"compute": p.compute_s, "wire": p.wire_s, "codec": p.codec_s,
-                                 "keys": p.keys_s}})
+                                 "keys": p.keys_s, "cpu_floor": p.cpu_floor_s},
+                     "predicted_cpu_s": None if compute_cpu is None
+                     else compute_cpu + p.codec_s + p.keys_s,
+                     "measured_cpu_s": rec.get("cpu_s_per_step_per_worker")})
     return {"summary": summary_path, "model": model.name, "workers": setup.workers,
             "servers": setup.servers, "link": _link_text(link), "compute_s": compute_s,
-            "rates": rates.source, "rows": rows, "skipped": skipped}
+            "compute_cpu_s": compute_cpu, "cores": cores, "rates": rates.source,
+            "rows": rows, "skipped": skipped}
 
 
 def format_validation(v: dict) -> str:
-    lines = ["%s: %s, %d workers + %d servers, %s, compute %.1f ms (no-comm step), "
+    cpu = ("" if v.get("cores") is None or v.get("compute_cpu_s") is None else
+           ", %.1f ms CPU on %g cores per worker" % (v["compute_cpu_s"] * 1e3,
+                                                      v["cores"] / v["workers"]))
+    lines = ["%s: %s, %d workers + %d servers, %s, compute %.1f ms (no-comm step)%s, "
              "device cpu; rates: %s" % (v["summary"], v["model"], v["workers"], v["servers"],
-                                        v["link"], v["compute_s"] * 1e3, v["rates"]),
-             "%-28s %10s %10s %8s %11s %11s %10s %10s" % (
+                                        v["link"], v["compute_s"] * 1e3, cpu, v["rates"]),
+             "%-28s %10s %10s %8s %11s %11s %10s %10s %9s %9s" % (
                  "config", "predicted", "measured", "error", "pred MB", "wire MB",
-                 "pred CT", "meas CT")]
+                 "pred CT", "meas CT", "pred CPU", "meas CPU")]
     for r in v["rows"]:
-        lines.append("%-28s %10.1f %10s %8s %11.1f %11s %10s %10s" % (
+        lines.append("%-28s %10.1f %10s %8s %11.1f %11s %10s %10s %9s %9s" % (
             r["config"], r["predicted"], _opt(r["measured"], "%.1f"),
             _opt(r["error"] and 100 * r["error"], "%+.0f%%"), r["predicted_bytes"] / 1e6,
             _opt(r["measured_wire_bytes"] and r["measured_wire_bytes"] / 1e6, "%.1f"),
-            _ct(r["predicted_best_ct"]), _ct(r["measured_best_ct"])))
+            _ct(r["predicted_best_ct"]), _ct(r["measured_best_ct"]),
+            _opt(r.get("predicted_cpu_s"), "%.3f"), _opt(r.get("measured_cpu_s"), "%.3f")))
     lines.append("(samples/s per worker; wire MB: interface counters, tx + rx, headers "
-                 "included)")
+                 "included; CPU: CPU-seconds per step of one worker, the model's compute, "
+                 "codec and per-key work against the run's)")
     for s in v["skipped"]:
         lines.append("skipped: " + s)
     return "\n".join(lines)
@@ -678,14 +747,16 @@ PAPER_FIG12 = {"vgg16": {"1bit-full": 1.395, "2bit-full": 1.374},
                "bert-base": {"1bit-full": 1.299, "2bit-full": 1.687}}
 
 
-def paper_comparison(rates, batch=DEFAULT_BATCH, per_key_s=PER_KEY_S) -> List[dict]:
+def paper_comparison(rates, batch=DEFAULT_BATCH, per_key_s=PER_KEY_S,
+                     per_key_inline_s=PER_KEY_INLINE_S) -> List[dict]:
     """The model at the paper's setup (16 workers + 16 servers, 100 Gbps) beside Table 3 and
     Fig. 12 (the paper's 1bit baseline compressed on the GPU: the model's 1bit-alone)."""
     out = []
     link = parse_link("100gbit")
     for name, table in PAPER_TABLE3.items():
         model = shapes.get(name)
-        setup = Setup(16, link, default_compute_s(model, batch), batch, per_key_s=per_key_s)
+        setup = Setup(16, link, default_compute_s(model, batch), batch, per_key_s=per_key_s,
+                      per_key_inline_s=per_key_inline_s)
         base = predict(model, parse_scheme("1bit-alone"), setup, rates)
         for label, paper in table.items():
             p = predict(model, parse_scheme(label), setup, rates)
@@ -810,9 +881,14 @@ def parse_args(argv, prog):
                         "(default: the table in docs/benchmarks.md)")
     p.add_argument("--per-key-us", type=float, default=PER_KEY_S * 1e6,
                    help="SlimGC's host work per key sent alone, us (default: %(default)g)")
+    p.add_argument("--per-key-inline-us", type=float, default=PER_KEY_INLINE_S * 1e6,
+                   help="the same without offload (CODEC-alone), us (default: %(default)g)")
     p.add_argument("--latency", default=None,
                    help="latency of links given without one (default: 100us) and of "
                         "--validate's link (default: the latency the run's CTTab fitted)")
+    p.add_argument("--half-duplex", action="store_true",
+                   help="links carry one direction at a time (pushes and pulls take turns); "
+                        "default: full duplex")
     p.add_argument("--validate", metavar="SUMMARY", nargs="+",
                    help="predicted against measured for harness summary.json files")
     p.add_argument("--paper", action="store_true",
@@ -838,6 +914,8 @@ def parse_args(argv, prog):
             args.link_list = [parse_link(l, DEFAULT_LATENCY_S if args.latency_s is None
                                          else args.latency_s)
                               for l in args.links.split(",") if l.strip()]
+        if args.half_duplex:
+            args.link_list = [replace(link, duplex="half") for link in args.link_list]
         args.worker_list = _workers(args.workers)
         text = args.schemes or ",".join(["fp32", "mxnet-2bit"] + [
             "%s-%s" % (c, m) for c in CODECS for m in ("alone", "full")])
@@ -860,8 +938,8 @@ def parse_args(argv, prog):
         p.error("--batch-size must be >= 1")
     if args.compute_ms is not None and args.compute_ms < 0:
         p.error("--compute-ms must be >= 0")
-    if args.per_key_us < 0:
-        p.error("--per-key-us must be >= 0")
+    if args.per_key_us < 0 or args.per_key_inline_us < 0:
+        p.error("--per-key-us and --per-key-inline-us must be >= 0")
     return args
 
 
@@ -883,26 +961,30 @@ def _progress(text):
 
 def main(argv=None, prog="python -m slimgc_mx.bench scale"):
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
-    rates, per_key = args.codec_rates, args.per_key_us * 1e-6
+    rates = args.codec_rates
+    per_key = (args.per_key_us * 1e-6, args.per_key_inline_us * 1e-6)
     compute = None if args.compute_ms is None else args.compute_ms * 1e-3
-    report = {"rates": asdict(rates), "per_key_s": per_key, "batch": args.batch_size}
+    report = {"rates": asdict(rates), "per_key_s": per_key[0], "per_key_inline_s": per_key[1],
+              "batch": args.batch_size}
     if args.validate:
         report["validation"] = []
         for path in args.validate:
             try:
                 v = validate(path, rates, args.latency_s,
-                             args.link_list[0] if args.link_from else None, compute, per_key)
+                             args.link_list[0] if args.link_from else None, compute, *per_key,
+                             duplex="half" if args.half_duplex else "full")
             except ValueError as e:
                 print("%s: error: %s" % (prog, e), file=sys.stderr)
                 return 2
             report["validation"].append(v)
             print(format_validation(v))
     elif args.paper:
-        report["paper"] = paper_comparison(rates, args.batch_size, per_key)
+        report["paper"] = paper_comparison(rates, args.batch_size, *per_key)
         print(format_paper(report["paper"]))
     else:
         tables = tabulate(args.model_list, args.link_list, args.worker_list, args.scheme_list,
-                          rates, args.batch_size, compute, args.backend, per_key, _progress)
+                          rates, args.batch_size, compute, args.backend, *per_key,
+                          progress=_progress)
         print(format_tables(tables, rates))
         report["tables"] = [{"model": t.model.name, "link": asdict(t.link),
                              "compute_s": t.setup.compute_s, "backend": t.setup.backend,
