@@ -165,17 +165,20 @@ def test_topk_stops_paying_between_40_and_64_workers():
     topk = scale.parse_scheme("topk-alone")
     model = shapes.get("resnet50")
     setup = scale.Setup(8, scale.parse_link("10gbit"), scale.default_compute_s(model, 32),
-                        per_key_s=0)
+                        per_key_s=0, per_key_inline_s=0)
     wire_only = scale.stops_paying(model, topk, setup, free)
     assert 40 < wire_only <= 64
     vgg = shapes.get("vgg16")
     default = scale.stops_paying(vgg, topk, replace(
-        setup, compute_s=scale.default_compute_s(vgg, 32), per_key_s=scale.PER_KEY_S),
-        scale.DEFAULT_CODEC_RATES)
+        setup, compute_s=scale.default_compute_s(vgg, 32), per_key_s=scale.PER_KEY_S,
+        per_key_inline_s=scale.PER_KEY_INLINE_S), scale.DEFAULT_CODEC_RATES)
     assert 40 < default <= 64
     # the codec's CPU time makes it stop paying sooner than its bytes alone
     assert scale.stops_paying(model, topk, replace(setup, per_key_s=scale.PER_KEY_S),
                               scale.DEFAULT_CODEC_RATES) < wire_only
+    # and its work per tensor on the training thread sooner still
+    assert scale.stops_paying(model, topk, replace(setup, per_key_inline_s=scale.PER_KEY_INLINE_S),
+                              free) < wire_only
 
 
 def test_a_sum_codec_still_pays_where_a_gather_has_stopped():
@@ -426,7 +429,8 @@ def test_validate_sets_predictions_beside_a_harness_summary(tmp_path, capsys):
     floored = replace(setup, cores_per_worker=1.0, compute_cpu_s=0.1)
     for r in v["rows"]:
         p = scale.predict(shapes.get("fc"), scale.parse_scheme(r["config"]), floored)
-        assert r["parts_s"]["cpu_floor"] == pytest.approx(p.cpu_floor_s) > 0
+        assert r["parts_s"]["cpu_floor"] == pytest.approx(p.cpu_floor_s)
+        assert p.cpu_floor_s > 0
     code, out, _ = _run(["--validate", str(path), "--half-duplex"], capsys)
     assert code == 0 and "half duplex" in out
     half = scale.validate(str(path), scale.DEFAULT_CODEC_RATES, duplex="half")
