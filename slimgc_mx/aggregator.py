@@ -207,9 +207,10 @@ class Aggregator:
         self.backup.wait_version(key, step)
         grad, _ = self.framework.gradient(b, grads)
         push = Push(key, b, step, local=False, priority=priority)
-        if b.codec is not None:
+        transfer = self.planner.transfer(push, None, None, compress=self.compress_sums)
+        if transfer.plan.optimizer_view:
             b.codec.set_optimizer_view(None)  # a plain sum: no optimizer to weigh values by
-        self._submit(self.planner.transfer(push, None, None, compress=self.compress_sums), grad)
+        self._submit(transfer, grad)
         self.planner.steps[key] = step + 1
 
     def _checked(self, key, grads):

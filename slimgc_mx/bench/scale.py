@@ -445,6 +445,7 @@ class Prediction:
     bytes_pulled: float
     best_ct: Optional[float]
     compressed_share: float  # of the model's elements
+    cpu_s: Optional[float] = None  # a worker's CPU-seconds (Setup.compute_cpu_s given)
     cpu_floor_s: float = 0.0  # the step's lower bound by CPU (Setup.cores_per_worker)
 
     @property
@@ -468,12 +469,19 @@ def step_seconds(compute: float, wire: float, codec: float, keys: float, backup:
     return max(step, cpu_floor)
 
 
+def worker_cpu_s(setup: Setup, codec: float, keys: float) -> Optional[float]:
+    """A worker's CPU-seconds of a step: compute, codec and per-key work; None without
+    the compute's CPU time."""
+    return None if setup.compute_cpu_s is None else setup.compute_cpu_s + codec + keys
+
+
 def cpu_floor(setup: Setup, codec: float, keys: float) -> float:
-    """On CPUs shared by several workers: the worker's CPU-seconds of a step (compute,
-    codec, per-key work) over its share of the cores; 0 where the cores are not a limit."""
-    if setup.device != "cpu" or not setup.cores_per_worker or setup.compute_cpu_s is None:
+    """On CPUs shared by several workers: the worker's CPU-seconds of a step over its
+    share of the cores; 0 where the cores are not a limit."""
+    cpu = worker_cpu_s(setup, codec, keys)
+    if setup.device != "cpu" or not setup.cores_per_worker or cpu is None:
         return 0.0
-    return (setup.compute_cpu_s + codec + keys) / setup.cores_per_worker
+    return cpu / setup.cores_per_worker
 
 
 def predict(model: shapes.ModelShapes, scheme: Scheme, setup: Setup,
@@ -507,7 +515,7 @@ def predict(model: shapes.ModelShapes, scheme: Scheme, setup: Setup,
                       "ring" if scheme.kind.startswith("horovod") else setup.backend, step,
                       setup.batch / step, setup.compute_s, wire, codec, keys,
                       sum(c.push for c in costs), sum(c.pull for c in costs), best_ct,
-                      done / model.elements, floor)
+                      done / model.elements, worker_cpu_s(setup, codec, keys), floor)
 
 
 def stops_paying(model, scheme, setup, rates, limit=MAX_SCAN_N) -> Optional[int]:
@@ -691,8 +699,7 @@ def validate(summary_path: str, rates: CodecRates, latency_s: Optional[float] = 
                      "measured_best_ct": rec.get("comm_threshold_bytes"),
                      "parts_s": {"compute": p.compute_s, "wire": p.wire_s, "codec": p.codec_s,
                                  "keys": p.keys_s, "cpu_floor": p.cpu_floor_s},
-                     "predicted_cpu_s": None if compute_cpu is None
-                     else compute_cpu + p.codec_s + p.keys_s,
+                     "predicted_cpu_s": p.cpu_s,
                      "measured_cpu_s": rec.get("cpu_s_per_step_per_worker")})
     return {"summary": summary_path, "model": model.name, "workers": setup.workers,
             "servers": setup.servers, "link": _link_text(link), "compute_s": compute_s,
