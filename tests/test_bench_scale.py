@@ -310,6 +310,7 @@ def test_cli_help_runs_as_a_subcommand():
     (["--links", "10gbit@soon"], ["latency", "50us"]),
     (["--models", "alexnet"], ["unknown model", "vgg16"]),
     (["--backend", "ring", "--schemes", "mxnet-2bit"], ["parameter servers only"]),
+    (["--per-key-inline-us", "-1"], ["--per-key-inline-us", ">= 0"]),
 ])
 def test_bad_input_exits_2_with_the_problem_named(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
