@@ -11,7 +11,7 @@ servers):
 
 or with --threads N, N workers as threads of this process (no servers; what the tests run).
 --option NAME=VALUE sets a codec option; --dataset, --hidden, --batch, --lr and --steps
-change the job. The exit status is 1 when some rank's final loss is not below --fraction
+change the job, and --comm-threshold BYTES sends smaller tensors in full precision. The exit status is 1 when some rank's final loss is not below --fraction
 of its initial loss. docs/codecs.md, "Defaults that train", has the results.
 """
 # Scheduler and server processes of a dist job enter their loop inside `import mxnet`
@@ -62,17 +62,18 @@ def shard_loss(net, x, y):
 
 
 def train_rank(kv, codec, options=None, steps=STEPS, lr=LR, momentum=MOMENTUM, dataset=DATASET,
-               hidden=HIDDEN, batch=BATCH):
+               hidden=HIDDEN, batch=BATCH, comm_threshold="off"):
     """Train on this rank's shard through `kv` with `codec` (its defaults updated by
-    `options`); (initial, final) loss on the shard. dgc applies momentum itself, so its
-    optimizer's is 0 and the codec's default stands in for it."""
+    `options`), compressing tensors of at least `comm_threshold` bytes ('off': all);
+    (initial, final) loss on the shard. dgc applies momentum itself, so its optimizer's
+    is 0 and the codec's default stands in for it."""
     rank, workers = kv.rank, kv.num_workers
     with _INIT_LOCK:  # mnist1d's generator reseeds NumPy's global RNG: one thread at a time
         data = datasets.load(dataset, rank=rank, num_workers=workers)
     x, y = data.x_train.reshape(len(data.y_train), -1), data.y_train
     net = make_net(x.shape[1], hidden)
     before = shard_loss(net, x, y)
-    params = dict({"type": codec, "comm_threshold": "off"}, **(options or {}))
+    params = dict({"type": codec, "comm_threshold": comm_threshold}, **(options or {}))
     opt_momentum = 0.0 if codecs.create(codec, reference=True).traits.owns_momentum else momentum
     trainer = gluon.Trainer(net.collect_params(), "sgd",
                             {"learning_rate": lr, "momentum": opt_momentum},
@@ -123,6 +124,20 @@ def option(text):
     return name, value
 
 
+def threshold(text):
+    """--comm-threshold: 'off' or a size in bytes >= 0."""
+    if text == "off":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError("expected 'off' or a size in bytes >= 0, e.g. 15360, "
+                                         "got %r" % text)
+    return value
+
+
 def widths(text):
     """--hidden 128,64: the hidden layers' widths."""
     try:
@@ -148,6 +163,9 @@ def main(argv=None):
                    help="training set (%(default)s)")
     p.add_argument("--hidden", type=widths, default=HIDDEN, metavar="W,W,...",
                    help="hidden widths (%s)" % ",".join(map(str, HIDDEN)))
+    p.add_argument("--comm-threshold", type=threshold, default="off", metavar="BYTES",
+                   help="compress tensors of at least BYTES; 'off' (the default): every "
+                        "tensor, the check's setting")
     p.add_argument("--fraction", type=float, default=FRACTION,
                    help="final loss must be below this fraction of the initial (%(default)s)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
@@ -160,7 +178,7 @@ def main(argv=None):
     except ValueError as exc:
         p.error(str(exc))
     job = dict(steps=args.steps, lr=args.lr, dataset=args.dataset, hidden=args.hidden,
-               batch=args.batch)
+               batch=args.batch, comm_threshold=args.comm_threshold)
     if args.threads:
         runs = list(enumerate(in_threads(args.threads, args.codec, options, **job)))
     else:

@@ -110,8 +110,12 @@ def test_nonfinite_gradients_raise_before_anything_is_written():
             c.encode(g, r, 2, out=out)
 
 
+def test_the_default_ratio_is_a_tenth():
+    assert codecs.create("randomk").count(1000) == 100
+
+
 def test_bad_arguments_name_the_problem():
-    c = codecs.create("randomk")
+    c = codecs.create("randomk", ratio=0.01)
     with pytest.raises(ValueError, match="out must have 10 elements"):
         c.encode(np.ones(1000, np.float32), np.zeros(1000, np.float32), 2,
                  out=np.zeros(9, np.float32))
