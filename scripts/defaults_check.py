@@ -11,8 +11,9 @@ servers):
 
 or with --threads N, N workers as threads of this process (no servers; what the tests run).
 --option NAME=VALUE sets a codec option; --dataset, --hidden, --batch, --lr and --steps
-change the job, and --comm-threshold BYTES sends smaller tensors in full precision. The exit status is 1 when some rank's final loss is not below --fraction
-of its initial loss. docs/codecs.md, "Defaults that train", has the results.
+change the job, and --comm-threshold BYTES sends smaller tensors in full precision. The
+exit status is 1 when some rank's final loss is not below --fraction of its initial
+loss. docs/codecs.md, "Defaults that train", has the results.
 """
 # Scheduler and server processes of a dist job enter their loop inside `import mxnet`
 # and exit there, so it comes before anything heavy.

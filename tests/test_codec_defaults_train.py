@@ -62,8 +62,8 @@ def test_randomk_at_its_default_trains_where_one_percent_diverged():
 
 @pytest.mark.slow
 def test_2bit_at_its_default_trains_the_noisy_job_with_small_tensors_in_full_precision():
-    """Every tensor compressed at threshold 0.5 diverged there (2.41 -> 2.72); sending the
-    tensors below the paper's 15 KB in float32, as its CTTab does, it trains."""
+    """Every tensor compressed at threshold 0.5 diverged there (2.41 -> 2.72); with the
+    tensors below the paper's 15 KB communication threshold in float32 it trains."""
     for before, after in check.in_threads(2, "2bit", comm_threshold=PAPER_THRESHOLD,
                                           **NOISY_JOB):
         assert after < 0.4 * before, (before, after)
