@@ -47,3 +47,28 @@ def test_bench_dispatcher_help_and_errors(capsys):
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         bench_codecs.main(["--size", "0"])
+
+
+def test_a_codec_option_sets_what_is_timed_and_is_recorded(tmp_path):
+    out = tmp_path / "codecs.json"
+    rc = bench.main(["codecs", "--size", "5000", "--repeat", "1", "--reference-repeat", "1",
+                     "--codecs", "randomk,topk", "--codec-option", "ratio=0.01",
+                     "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["params"]["codec_options"] == {"ratio": "0.01"}
+    assert report["wire_bits"]["randomk"]["2"] == pytest.approx(32 * 50 / 5000)
+    assert report["wire_bits"]["topk"]["1"] == pytest.approx(
+        codecs.create("topk", ratio=0.01).wire_bits_per_element(1))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--codecs", "randomk", "--codec-option", "ratio=2"], "option ratio="),
+    (["--codecs", "2bit", "--codec-option", "levels=4"], "levels"),
+])
+def test_a_bad_codec_option_is_a_usage_error_naming_it(capsys, argv, said):
+    with pytest.raises(SystemExit) as exc:
+        bench_codecs.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--codec-option" in err and said in err

@@ -110,8 +110,8 @@ def test_nonfinite_gradients_raise_before_anything_is_written():
             c.encode(g, r, 2, out=out)
 
 
-def test_the_default_ratio_is_a_tenth():
-    assert codecs.create("randomk").count(1000) == 100
+def test_the_default_ratio_is_a_half():
+    assert codecs.create("randomk").count(1000) == 500
 
 
 def test_bad_arguments_name_the_problem():

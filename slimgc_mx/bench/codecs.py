@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import codecs
 from ..env import available_cpus, default_num_threads
+from . import jobtools
 
 DESCRIPTION = "codec encode/decode throughput vs memcpy and the NumPy reference; wire bits"
 WIRE_WORKERS = (1, 2, 4, 8, 16, 32, 64)
@@ -64,6 +65,9 @@ def parse_args(argv, prog):
                    help="2bit threshold (default: %(default)s)")
     p.add_argument("--codecs", default=",".join(codecs.available()),
                    help="comma-separated codec names (default: %(default)s)")
+    p.add_argument("--codec-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an option over the codecs' defaults, for every codec of --codecs "
+                        "(repeatable), e.g. --codecs randomk --codec-option ratio=0.01")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--seed", type=int, default=0, help="gradient RNG seed (default: 0)")
     args = p.parse_args(argv)
@@ -81,6 +85,12 @@ def parse_args(argv, prog):
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
     args.codecs = names
+    args.options = jobtools.codec_options(args.codec_option)
+    for name in names:
+        try:
+            make(name, args)
+        except (TypeError, ValueError) as exc:
+            p.error("--codec-option: %s" % exc)
     return args
 
 
@@ -146,6 +156,12 @@ class _Wire:
                 codec.next_round(done, self.recvs[done], self.sends[done + 1], n_workers)
 
 
+def make(name, args, **impl):
+    """Codec `name` with --threshold (2bit) and --codec-option over its defaults."""
+    return codecs.create(name, threshold=args.threshold if name == "2bit" else None,
+                         **dict(getattr(args, "options", {}), **impl))
+
+
 def bench_codec(name, args, grad, n_threads, on_phase=None):
     """Rates of one codec: encode/decode with all threads and with one, and the reference.
 
@@ -156,15 +172,14 @@ def bench_codec(name, args, grad, n_threads, on_phase=None):
     on_phase(title, seconds), if given, hears each of PHASES as it ends.
     """
     n, n_workers = grad.shape[0], args.workers
-    threshold = args.threshold if name == "2bit" else None
-    view = optimizer_view(n, args.seed) if codecs.create(name).traits.wants_optimizer else None
+    view = optimizer_view(n, args.seed) if make(name, args).traits.wants_optimizer else None
     result = {}
     impls = {"": dict(num_threads=n_threads), "_1thread": dict(num_threads=1),
              "reference_": dict(reference=True)}
     for label, title in PHASES:
         started = time.perf_counter()
         impl = impls[label]
-        c = codecs.create(name, threshold=threshold, **impl)
+        c = make(name, args, **impl)
         c.set_optimizer_view(view)
         shape = bench_shape(c, n)
         residual = np.zeros(c.memory_size(n), np.float32)
@@ -289,7 +304,8 @@ def run(args, progress=None):
                     "load_average": list(os.getloadavg())},
         "params": {"size": args.size, "repeat": args.repeat,
                    "reference_repeat": args.reference_repeat, "workers": args.workers,
-                   "threshold_2bit": args.threshold, "seed": args.seed, "shapes": {},
+                   "threshold_2bit": args.threshold, "codec_options": getattr(args, "options", {}),
+                   "seed": args.seed, "shapes": {},
                    "timing": "elements/s of the best run; *_median_* of the median run"},
         "memcpy_elems_per_s": memcpy[0],
         "memcpy_median_elems_per_s": memcpy[1],
@@ -310,7 +326,7 @@ def run(args, progress=None):
             r[op + "_vs_reference"] = r[op + "_elems_per_s"] / r["reference_%s_elems_per_s" % op]
             r[op + "_thread_speedup"] = r[op + "_elems_per_s"] / r[op + "_1thread_elems_per_s"]
         report["codecs"][name] = r
-        c = codecs.create(name, threshold=args.threshold if name == "2bit" else None)
+        c = make(name, args)
         shape = bench_shape(c, args.size)
         c.wire_rounds(args.size, shape, 1)  # a codec whose wire depends on the shape learns it
         report["params"]["shapes"][name] = list(shape)
