@@ -21,6 +21,7 @@ codec instance and one set of lanes per bucket (option fuse_compressed; the CTTa
 gives the size below which a tensor's fixed costs exceed what its bytes cost).
 """
 import logging
+import warnings
 
 import numpy as np
 
@@ -481,12 +482,22 @@ class Planner:
 def check_momentum(codec, momentum, example):
     """Refuse an optimizer with momentum under a codec that applies momentum itself (dgc's
     momentum correction accumulates the velocity before sparsifying), naming the fix:
-    `example` % (codec name, momentum) is how the adapter's user gives the codec's option."""
-    if codec is not None and codec.traits.owns_momentum and momentum:
+    `example` % (codec name, momentum) is how the adapter's user gives the codec's option.
+    Warn once per process where the codec advises against the pair (momentum_advice)."""
+    if codec is None:
+        return
+    if codec.traits.owns_momentum and momentum:
         raise ValueError(
             "codec %r applies momentum itself, so the optimizer's momentum must be 0, got "
             "momentum=%r: create the optimizer with momentum=0 and give the codec's own option "
             "instead, e.g. %s" % (codec.name, momentum, example % (codec.name, momentum)))
+    advice = codec.momentum_advice(momentum)
+    if advice is not None and advice not in _ADVISED:
+        _ADVISED.add(advice)
+        warnings.warn(advice, UserWarning, stacklevel=3)
+
+
+_ADVISED = set()  # momentum advice already given in this process
 
 
 __all__ = ["Bucket", "FusedRoute", "Planner", "Push", "check_momentum"]

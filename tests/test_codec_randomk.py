@@ -132,3 +132,29 @@ def test_bad_options_name_the_option(bad):
     with pytest.raises(ValueError, match="codec 'randomk' has no option rank"):
         codecs.create("randomk", rank=4)
     assert codecs.create("randomk", ratio="0.25").ratio == 0.25
+
+
+@pytest.mark.parametrize("ratio, momentum, advised", [
+    (0.1, 0.9, True), (0.25, 0.5, True), (0.01, 0.9, True),
+    (0.5, 0.9, False), (1.0, 0.99, False), (0.1, 0.0, False)])
+def test_momentum_advice_below_half_with_momentum(ratio, momentum, advised):
+    for reference in (False, True):
+        text = codecs.create("randomk", ratio=ratio, reference=reference).momentum_advice(momentum)
+        assert (text is not None) == advised
+        if advised:
+            assert "ratio=%g" % ratio in text and "momentum %g" % momentum in text
+            assert "use ratio >= 0.5 or momentum 0" in text
+
+
+def test_the_engine_warns_once_per_process(monkeypatch):
+    import warnings
+    from slimgc_mx import planner
+    monkeypatch.setattr(planner, "_ADVISED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            planner.check_momentum(codecs.create("randomk", ratio=0.1), 0.9, "%r %r")
+        planner.check_momentum(codecs.create("randomk"), 0.9, "%r %r")
+        planner.check_momentum(codecs.create("randomk", ratio=0.1), 0.0, "%r %r")
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(said) == 1 and "codec 'randomk': ratio=0.1" in said[0]

@@ -91,3 +91,12 @@ def test_dgc_memory_and_warmup_step_survive_a_checkpoint(tmp_path):
     for rank in range(2):
         for a, b in zip(full[rank], resumed[rank]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_randomk_below_half_with_momentum_is_warned_about(monkeypatch):
+    from slimgc_mx import planner
+    monkeypatch.setattr(planner, "_ADVISED", set())
+    kv = SlimGC(compressor="randomk", ratio=0.1, backup=False)
+    with pytest.warns(UserWarning, match="codec 'randomk': ratio=0.1 with optimizer momentum 0.9"):
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    kv.close()

@@ -67,6 +67,17 @@ def test_dgc_refuses_the_optimizers_momentum():
                                     model, compression="dgc")
 
 
+def test_randomk_below_half_with_the_optimizers_momentum_is_warned_about(monkeypatch):
+    from slimgc_mx import planner
+    monkeypatch.setattr(planner, "_ADVISED", set())
+    model = net()
+    with pytest.warns(UserWarning, match="ratio=0.1 with optimizer momentum 0.9.*ratio >= 0.5"):
+        opt = slimgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+            compression="randomk", ratio=0.1)
+    opt.close()
+
+
 def test_flush_takes_a_distributed_optimizer():
     with pytest.raises(TypeError, match="DistributedOptimizer"):
         slimgc.flush(torch.optim.SGD(net().parameters(), lr=0.1))

@@ -361,6 +361,11 @@ class Codec:
         (for a gathering codec: every worker's slot side by side)."""
         raise NotImplementedError
 
+    def momentum_advice(self, momentum):
+        """A warning for training with optimizer `momentum` under this codec's options, where
+        measurements found the pair unstable; None when there is nothing to say."""
+        return None
+
     def compresses(self, shape):
         """False for a tensor of `shape` this codec sends in full precision (the planner
         routes it to fp_buf and gives it no codec state, e.g. PowerSGD's vectors)."""

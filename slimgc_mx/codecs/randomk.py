@@ -42,6 +42,17 @@ class RandomK(Codec):
     options = {"ratio": Option(float, 0.5, lambda v: math.isfinite(v) and 0 < v <= 1,
                                "a number in (0, 1]: the fraction of elements sent")}
 
+    def momentum_advice(self, momentum):
+        """Below ratio 0.5, momentum amplifies the stale accumulated steps error feedback
+        sends: with momentum 0.9, ratios 0.01 to 0.25 diverged or oscillated."""
+        if momentum and self.ratio < 0.5:
+            return ("codec 'randomk': ratio=%g with optimizer momentum %g: with error feedback an "
+                    "element goes out about once per 1/ratio pushes with all it accumulated, "
+                    "which momentum amplifies; with momentum 0.9, ratios 0.01 to 0.25 diverged "
+                    "or oscillated (docs/codecs.md, \"Defaults that train\"): use ratio >= 0.5 "
+                    "or momentum 0" % (self.ratio, momentum))
+        return None
+
     def count(self, size):
         """k: values sent for `size` elements, round(ratio * size), at least 1, at most size."""
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
