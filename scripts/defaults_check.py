@@ -33,7 +33,7 @@ if ROOT not in sys.path:
 
 import slimgc_mx  # noqa: E402
 from slimgc_mx import codecs  # noqa: E402
-from slimgc_mx.bench import datasets  # noqa: E402
+from slimgc_mx.bench import datasets, jobtools  # noqa: E402
 
 #: The job's fixed settings: not tuned per codec.
 BATCH, LR, MOMENTUM, STEPS, FRACTION = 32, 0.01, 0.9, 100, 0.5
@@ -125,20 +125,6 @@ def option(text):
     return name, value
 
 
-def threshold(text):
-    """--comm-threshold: 'off' or a size in bytes >= 0."""
-    if text == "off":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError("expected 'off' or a size in bytes >= 0, e.g. 15360, "
-                                         "got %r" % text)
-    return value
-
-
 def widths(text):
     """--hidden 128,64: the hidden layers' widths."""
     try:
@@ -164,9 +150,9 @@ def main(argv=None):
                    help="training set (%(default)s)")
     p.add_argument("--hidden", type=widths, default=HIDDEN, metavar="W,W,...",
                    help="hidden widths (%s)" % ",".join(map(str, HIDDEN)))
-    p.add_argument("--comm-threshold", type=threshold, default="off", metavar="BYTES",
-                   help="compress tensors of at least BYTES; 'off' (the default): every "
-                        "tensor, the check's setting")
+    p.add_argument("--comm-threshold", type=jobtools.comm_threshold, default="off",
+                   metavar="BYTES", help="compress tensors of at least BYTES; 'off' (the "
+                   "default): every tensor, the check's setting (as for scripts/train.py)")
     p.add_argument("--fraction", type=float, default=FRACTION,
                    help="final loss must be below this fraction of the initial (%(default)s)")
     p.add_argument("--threads", type=int, default=0, metavar="N",

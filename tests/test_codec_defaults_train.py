@@ -123,7 +123,7 @@ def test_the_script_refuses_a_bad_threshold_naming_the_flag():
                         "--comm-threshold", "-1"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
-    assert "--comm-threshold" in r.stderr and "'off' or a size in bytes" in r.stderr
+    assert "--comm-threshold" in r.stderr and "byte count must be >= 0, got -1" in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -159,7 +159,7 @@ class _Wire:
 def make(name, args, **impl):
     """Codec `name` with --threshold (2bit) and --codec-option over its defaults."""
     return codecs.create(name, threshold=args.threshold if name == "2bit" else None,
-                         **dict(getattr(args, "options", {}), **impl))
+                         **dict(args.options, **impl))
 
 
 def bench_codec(name, args, grad, n_threads, on_phase=None):
@@ -304,7 +304,7 @@ def run(args, progress=None):
                     "load_average": list(os.getloadavg())},
         "params": {"size": args.size, "repeat": args.repeat,
                    "reference_repeat": args.reference_repeat, "workers": args.workers,
-                   "threshold_2bit": args.threshold, "codec_options": getattr(args, "options", {}),
+                   "threshold_2bit": args.threshold, "codec_options": args.options,
                    "seed": args.seed, "shapes": {},
                    "timing": "elements/s of the best run; *_median_* of the median run"},
         "memcpy_elems_per_s": memcpy[0],

@@ -16,6 +16,10 @@ from .base import (Codec, Option, Traits, check_disjoint, check_num_workers, che
                    kernels, output, raise_nonfinite)
 from .registry import register
 
+#: The smallest ratio tried that trained every job of docs/codecs.md ("Defaults that train")
+#: with momentum 0.9: an element goes out about once per 1/ratio pushes with all it
+#: accumulated, and at ratios 0.01 to 0.25 momentum made that diverge or oscillate.
+STABLE_WITH_MOMENTUM = 0.5
 #: Largest tensor randomk takes: stratum arithmetic s * n stays in int64.
 MAX_SIZE = (1 << 31) - 1
 
@@ -36,21 +40,19 @@ class RandomK(Codec):
 
     name = "randomk"
     wire_dtype = np.dtype(np.float32)
-    #: Half: an element goes out about once per 1/ratio pushes with all it accumulated, and
-    #: with momentum 0.9 ratios up to 0.25 diverged or oscillated (docs/codecs.md,
-    #: "Defaults that train").
-    options = {"ratio": Option(float, 0.5, lambda v: math.isfinite(v) and 0 < v <= 1,
+    options = {"ratio": Option(float, STABLE_WITH_MOMENTUM,
+                               lambda v: math.isfinite(v) and 0 < v <= 1,
                                "a number in (0, 1]: the fraction of elements sent")}
 
     def momentum_advice(self, momentum):
-        """Below ratio 0.5, momentum amplifies the stale accumulated steps error feedback
-        sends: with momentum 0.9, ratios 0.01 to 0.25 diverged or oscillated."""
-        if momentum and self.ratio < 0.5:
+        """Below STABLE_WITH_MOMENTUM, momentum amplifies the stale accumulated steps that
+        error feedback sends."""
+        if momentum and self.ratio < STABLE_WITH_MOMENTUM:
             return ("codec 'randomk': ratio=%g with optimizer momentum %g: with error feedback an "
                     "element goes out about once per 1/ratio pushes with all it accumulated, "
                     "which momentum amplifies; with momentum 0.9, ratios 0.01 to 0.25 diverged "
-                    "or oscillated (docs/codecs.md, \"Defaults that train\"): use ratio >= 0.5 "
-                    "or momentum 0" % (self.ratio, momentum))
+                    "or oscillated (docs/codecs.md, \"Defaults that train\"): use ratio >= %g "
+                    "or momentum 0" % (self.ratio, momentum, STABLE_WITH_MOMENTUM))
         return None
 
     def count(self, size):
