@@ -173,7 +173,9 @@ class Aggregator:
                 b.codec.set_optimizer_view(self.update.codec_view(
                     b.index, self.backup.glo_buffer(key), settings))
         encoder = self._fused_encoder(transfer)
-        grad, source = self.framework.gradient(b, grads, encoder is not None)
+        grad, source = self.framework.gradient(
+            b, grads, encoder is not None,
+            device_encoded=transfer is not None and transfer.plan.encode == DEVICE)
         if push.local:
             self.params_local = True
             start = time.perf_counter()

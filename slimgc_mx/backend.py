@@ -83,8 +83,11 @@ class Collective(Protocol):
 @runtime_checkable
 class Readiness(Protocol):
     """Per array, a callback once the framework's pending writes of it are done, in
-    whichever order they finish (MXNet: an engine operator; a CUDA model: an event after
-    the copy into pinned memory). The pipeline admits a transfer through it."""
+    whichever order they finish (MXNet: an engine operator; a device model: the events of
+    every asynchronous copy into the array's memory, views included). The pipeline admits
+    a transfer through it. An optional `ordered = True` says callbacks come in the order
+    asked, so serial (warm-up) transfers wait here too; else they enter at once and the
+    array's own for_read() must wait for its writers."""
 
     def when_readable(self, buf: HostArray, callback: Callable[[], None],
                       priority: int = 0) -> None: ...

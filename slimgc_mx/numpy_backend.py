@@ -156,7 +156,7 @@ class NumpyFramework:
         return weight
 
     @staticmethod
-    def gradient(b, grads, fused=False):
+    def gradient(b, grads, fused=False, device_encoded=False):
         """(the gradient summed over devices, grad_buf holding a copy of it)."""
         grad = grads[0] if len(grads) == 1 else np.sum(grads, axis=0, dtype=np.float32)
         np.copyto(b.grad_buf.for_write(), np.reshape(grad, -1))

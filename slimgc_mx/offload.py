@@ -154,19 +154,27 @@ class Pipeline:
             self._threads.append(t)
 
     def submit(self, transfer):
-        """Queue `transfer`: at once when serial or streamed, else once its ready_array()
-        is written."""
+        """Queue `transfer` once its ready_array() is written; at once when streamed, or
+        serial under a readiness that may reorder (MXNet's: its engine makes the encoder's
+        read wait instead), so that serial transfers keep the trainer's key order."""
         if self.error is not None:
             raise PipelineError.of(self.error, self.error_where)
         with self._idle:
             self._pending += 1
         self.transport.announce(transfer.wire_keys())
-        if transfer.plan.serial or transfer.plan.encode == PIECES:
+        ordered = getattr(self._notifier, "ordered", False)
+        if transfer.plan.encode == PIECES or (transfer.plan.serial and not ordered):
             self._queues[0].put(transfer)
         else:
             self._notifier.when_readable(transfer.ready_array(),
                                          lambda: self._queues[0].put(transfer),
                                          transfer.priority)
+
+    @property
+    def in_flight(self):
+        """Transfers submitted and not finished (waiting to enter included)."""
+        with self._idle:
+            return self._pending
 
     def wait_idle(self, timeout):
         """Block until every submitted transfer has finished; raise on failure or timeout."""

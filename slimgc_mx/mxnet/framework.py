@@ -48,12 +48,12 @@ class MXNetFramework:
         value.copyto(weight.nd)  # also brings MKLDNN-layout arrays to the default layout
         return weight
 
-    def gradient(self, b, grads, fused=False):
+    def gradient(self, b, grads, fused=False, device_encoded=False):
         """(the gradient summed over devices, what the push reads it from).
 
         On a fused push MXNet's own array in place once an operator has found it in the
         default layout (ArrayInPlace; every fused operator checks again), else grad_buf
-        after a copy."""
+        after a copy (an engine operator; also where the device encodes the push)."""
         grad = _sum(grads)
         if fused and b.grad_in_place:
             return grad, ArrayInPlace(grad)

@@ -2,16 +2,14 @@
 
 Host buffers are NumPy memory (pinned through torch for CUDA models) that torch tensors
 view without a copy; a CPU model's gradient is copied into grad_buf on the training thread
-(or encoded in place in the local update's pass), a CUDA model's by a non-blocking copy
-whose CUDA event admits the key to the pipeline. loc_buf is the parameter itself (the local
+(or encoded in place in the local update's pass), a CUDA model's by an asynchronous copy
+(copies.py) whose event admits its buffer to the pipeline. loc_buf is the parameter itself (the local
 update writes it in place, on the parameter's device), glo_buf stays on the host, and the
 global update runs the user's optimizer with the hyperparameters of the step's push:
 torch.optim.SGD as a Cython kernel, any other class as one instance per parameter.
 """
 import copy
 import dataclasses
-import queue
-import threading
 from typing import Tuple
 
 import numpy as np
@@ -21,6 +19,7 @@ from .. import sgd_rule
 from ..codecs.base import kernels
 from ..env import check_num_threads
 from ..transport.host import HostBuffer, HostReadiness
+from .copies import CudaCopies, EventReadiness
 
 
 def host_buffer(shape, pinned=False):
@@ -63,33 +62,6 @@ class TorchArrays:
 
     def hold(self, buf):
         raise RuntimeError("torch arrays have no engine to hold a writer in (can_hold is False)")
-
-
-class CudaReadiness:
-    """backend.Readiness for grad_bufs filled by non-blocking device-to-host copies: each
-    buffer's CUDA event is waited for on one thread, which then admits it."""
-
-    def __init__(self):
-        self._events = {}  # id(buffer) -> CUDA event of its last copy
-        self._queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="slimgc-cuda-ready", daemon=True)
-        self._thread.start()
-
-    def copied(self, buf, event):
-        self._events[id(buf)] = event
-
-    def when_readable(self, buf, callback, priority=0):
-        event = self._events.pop(id(buf), None)
-        if event is None:
-            callback()
-        else:
-            self._queue.put((event, callback))
-
-    def _run(self):
-        while True:
-            event, callback = self._queue.get()
-            event.synchronize()
-            callback()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,19 +361,25 @@ class TorchLocalUpdate:
 
 
 class TorchFramework:
-    """One rank's torch seams: host buffers, gradients in, the optimizer's own rule."""
+    """One rank's torch seams: host buffers, gradients in, the optimizer's own rule.
+
+    A device model's gradients reach grad_buf through `copies` (asynchronous copies whose
+    events admit each buffer: copies.CudaCopies for a CUDA model, or a stand-in such as
+    copies.DeferredCopies on CPU tensors); a host model's are copied on the training thread.
+    """
 
     engine_where = "a CUDA copy"
 
-    def __init__(self, params, group_of, num_workers, cuda=False):
+    def __init__(self, params, group_of, num_workers, cuda=False, copies=None):
         self.params = params  # index -> parameter, in key order
         self.group_of = group_of  # index -> its param group in the optimizer
         self.num_workers = num_workers
         self.cuda = cuda
-        self.has_device = cuda  # offload='auto' places codecs on the GPU or on CPU threads
-        self.readiness = CudaReadiness() if cuda else HostReadiness()
+        self.copies = CudaCopies() if copies is None and cuda else copies
+        self.device = self.copies is not None  # gradients arrive by asynchronous copies
+        self.has_device = self.device  # offload='auto' places codecs on the device or CPU
+        self.readiness = EventReadiness() if self.device else HostReadiness()
         self.arrays = TorchArrays(pinned=cuda)
-        self._copy_stream = torch.cuda.Stream() if cuda else None
 
     def new_buffer(self, shape, dtype=np.float32):
         if np.dtype(dtype) == np.float32:
@@ -421,25 +399,19 @@ class TorchFramework:
         np.copyto(weight.for_write(), np.reshape(value, -1))
         return weight
 
-    def gradient(self, b, grads, fused=False):
+    def gradient(self, b, grads, fused=False, device_encoded=False):
         """(the gradient tensor, what the local update reads: the same tensor); grad_buf gets
-        a copy at once for a CPU model, none on a fused push (its local update encodes the
-        gradient in place), by a non-blocking copy whose event admits the key to the
-        pipeline for a CUDA model."""
+        a copy at once for a host model, none on a fused push (its local update encodes the
+        gradient in place) nor where the device encodes it, else an asynchronous copy whose
+        event admits grad_buf (or the fused bucket it is a view of) to the pipeline."""
         grad = grads[0]
-        dst = tensor_of(b.grad_buf, (-1,))
-        if not grad.is_cuda:
-            if not fused:
-                dst.copy_(grad.reshape(-1))
+        if fused or device_encoded:
             return grad, grad
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(grad.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(grad.reshape(-1), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        grad.record_stream(stream)
-        self.readiness.copied(b.grad_buf, event)
+        dst = tensor_of(b.grad_buf, (-1,))
+        if not self.device:
+            dst.copy_(grad.reshape(-1))
+            return grad, grad
+        self.readiness.copied(b.grad_buf, self.copies.to_host(grad, dst))
         return grad, grad
 
     def optimizer_settings(self, optimizer, loc_optimizer):
@@ -461,4 +433,4 @@ class TorchFramework:
         if config.loc_lr is not None:
             raise ValueError("loc_lr=%r: the PyTorch adapter's local update takes the "
                              "optimizer's own rate; leave loc_lr unset" % (config.loc_lr,))
-        return TorchLocalUpdate(update, host=not self.cuda)
+        return TorchLocalUpdate(update, host=not self.device)

@@ -111,7 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._named = named
         self._model = model
         self._transport = transport
-        framework = TorchFramework([p for _, p in named], group_of, transport.num_workers, cuda)
+        framework = self._framework([p for _, p in named], group_of, transport.num_workers, cuda)
         self._agg = Aggregator(config, transport, framework=framework)
         momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
         check_momentum(self._agg.codec, momentum, "compression=%r, momentum=%r")
@@ -125,6 +125,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             transport.broadcast_tensors([b.data for b in self._buffers])
         self._hook = model.register_forward_pre_hook(lambda module, args: (
             self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
+
+    @staticmethod
+    def _framework(params, group_of, num_workers, cuda):
+        """The adapter's seams for these parameters (a test gives a device model's copies
+        to a CPU model by overriding it: tests/test_torch_copies.py)."""
+        return TorchFramework(params, group_of, num_workers, cuda)
 
     @staticmethod
     def _parameters_of(model, optimizer):

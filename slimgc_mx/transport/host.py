@@ -39,6 +39,8 @@ class HostBuffer:
 class HostReadiness:
     """backend.Readiness for host arrays that no framework writes: ready at once."""
 
+    ordered = True  # callbacks run in the order asked
+
     @staticmethod
     def when_readable(buf, callback, priority=0):
         callback()
