@@ -189,3 +189,46 @@ def test_readiness_waits_for_every_copy_into_a_buffers_memory():
     while len(order) < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert order == ["copied", "plain"]
+
+
+@pytest.mark.parametrize("backup", [True, False])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_steady_step_copies_no_pageable_byte_and_does_not_wait_for_the_device(backup,
+                                                                                 optimizer):
+    copies = DeferredCopies()
+    model = _model()
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if optimizer == "sgd" else (
+        lambda ps: torch.optim.Adam(ps, lr=1e-3))
+
+    class Deferred(DistributedOptimizer):
+        @staticmethod
+        def _framework(params, group_of, num_workers, cuda):
+            return TorchFramework(params, group_of, num_workers, copies=copies)
+
+    opt = Deferred(make(model.parameters()), model, compression="2bit", comm_threshold=4096,
+                   backup=backup)
+    nbytes = sum(4 * p.numel() for p in model.parameters())
+    lander = threading.Thread(target=_land_late, args=(copies, threading.Event()), daemon=True)
+    for step in range(4):
+        _grads(model, step)
+        if not backup:  # the step waits for its aggregation: land the copies meanwhile
+            stop = threading.Event()
+            lander = threading.Thread(target=_land_late, args=(copies, stop), daemon=True)
+            lander.start()
+        opt.step()
+        if not backup:
+            stop.set()
+            lander.join()
+        copies.release()
+        counts = opt.stats()["step_copies"]
+        assert opt.stats()["step_s"] > 0
+        assert counts["d2h_bytes"] == nbytes  # every gradient, once
+        if step >= 2:  # steady: the optimizer's state exists and is pinned
+            assert counts["pageable_bytes"] == 0, counts
+            assert counts["host_syncs"] <= 1, counts
+            # glo_buf into the parameter; with backup, the state the local step reads too
+            state = {"sgd": 1, "adam": 2}[optimizer] if backup else 0
+            assert counts["h2d_bytes"] == nbytes * (1 + state), counts
+    opt.flush()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    opt.close()

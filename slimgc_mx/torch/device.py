@@ -74,13 +74,14 @@ class TorchDeviceCodec:
     gradient's device: see residual_to_host() for when the host copy is current.
     """
 
-    def __init__(self, codec):
+    def __init__(self, codec, copies=None):
         if not self.supports(codec):
             name = getattr(codec, "name", type(codec).__name__)
             raise ValueError("TorchDeviceCodec supports lane codecs with torch levels (1bit, "
                              "2bit, 4bit), got %r; compress it on the CPU (offload on)"
                              % (name,))
         self.codec = codec
+        self.copies = copies  # a device model's copies.Copies: encode_key's work counted
         self.residual = None  # the key's residual on a CUDA device (encode_key), or None
         self.device = torch.device("cpu")  # where the last encode ran: decode_key runs there
         self._consts = {}
@@ -102,7 +103,11 @@ class TorchDeviceCodec:
         if not isinstance(grad, torch.Tensor):
             raise TypeError("grad must be a torch tensor, got %s" % type(grad).__name__)
         residual = self._key_residual(b, grad.device)
-        self.encode(grad, residual, num_workers, out=send.for_write())
+        out = send.for_write()
+        self.encode(grad, residual, num_workers, out=out)
+        if self.copies is not None and grad.is_cuda:  # the finite check, the lanes' copy
+            self.copies.counts.d2h_bytes += out.nbytes
+            self.copies.counts.host_syncs += 2
 
     def decode_key(self, b, num_workers, recv):
         """Decode the summed lanes in `recv` (its bit_sum) into its agg, on the device of

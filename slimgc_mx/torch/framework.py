@@ -22,13 +22,14 @@ from ..transport.host import HostBuffer, HostReadiness
 from .copies import CudaCopies, EventReadiness
 
 
-def host_buffer(shape, pinned=False):
-    """A HostBuffer of float32 zeros; `pinned`: in page-locked memory (CUDA copies overlap)."""
-    buf = HostBuffer(shape)
-    if pinned:
-        tensor = torch.zeros(buf._np.size, dtype=torch.float32).pin_memory()
+def host_buffer(shape, copies=None, dtype=np.float32):
+    """A HostBuffer of zeros; with a device model's `copies`, in the memory they copy at
+    full speed without blocking (page-locked for CUDA)."""
+    buf = HostBuffer(shape, dtype)
+    if copies is not None:
+        tensor = copies.host_zeros(buf._np.size, torch.from_numpy(buf._np[:0]).dtype)
         buf._np = tensor.numpy()
-        buf.tensor = tensor  # keeps the pinned allocation alive
+        buf.tensor = tensor  # keeps the allocation alive
     return buf
 
 
@@ -43,22 +44,25 @@ class TorchArrays:
     can_hold = False
     loc_in_params = True  # the local update writes the parameters themselves
 
-    def __init__(self, pinned=False):
-        self.pinned = pinned
+    def __init__(self, copies=None):
+        self.copies = copies  # a device model's: host -> parameter without blocking
 
     def new(self, shape):
-        return host_buffer(shape, self.pinned)
+        return host_buffer(shape, self.copies)
 
     @staticmethod
     def array(buf):
         return tensor_of(buf)
 
-    @staticmethod
-    def copy(src, dst):
+    def copy(self, src, dst):
         if src is dst:
             return
+        src = torch.as_tensor(src)
         with torch.no_grad():
-            dst.copy_(torch.as_tensor(src).view(dst.shape))
+            if self.copies is not None and not src.is_cuda:
+                self.copies.to_device(src, dst)
+            else:
+                dst.copy_(src.view(dst.shape))
 
     def hold(self, buf):
         raise RuntimeError("torch arrays have no engine to hold a writer in (can_hold is False)")
@@ -92,8 +96,9 @@ class TorchUpdate:
     parameter over its glo_buf; either way the state lives in those instances, on the host.
     """
 
-    def __init__(self, optimizer, groups_of, num_workers, num_threads=None):
+    def __init__(self, optimizer, groups_of, num_workers, num_threads=None, copies=None):
         self.optimizer = optimizer
+        self.copies = copies  # a device model's: its state pinned, its reads waited for
         self._group_of = groups_of  # index -> the param group of that parameter
         self._num_workers = num_workers
         self.num_threads = check_num_threads(num_threads)  # of the SGD kernel
@@ -151,6 +156,7 @@ class TorchUpdate:
             group = transfer.settings.groups[self._group_of[b.index]]
             opt.param_groups[0].update(dict(group))
             weight = opt.param_groups[0]["params"][0]
+            self._wait_readers(glo, opt.state[weight])
             kernel = self._kernel(group, self._num_workers)
             if kernel is not None:
                 self._kernel_step(kernel, opt, b, glo, transfer, table)
@@ -161,6 +167,28 @@ class TorchUpdate:
             with torch.no_grad():
                 opt.step()
             weight.grad = None
+            self._pin_state(opt.state[weight])
+
+    def _wait_readers(self, glo, state):
+        """A device model: wait for the copies still reading glo_buf or the state (the
+        local step's, on the device's stream) before the update writes them."""
+        if self.copies is None:
+            return
+        self.copies.wait_readers(glo)
+        for value in state.values():
+            if torch.is_tensor(value) and value.numel() > 1:
+                self.copies.wait_readers(value)
+
+    def _pin_state(self, state):
+        """A device model: the optimizer's state tensors moved into the copies' memory
+        once (torch made them pageable), so the local step reads them without blocking."""
+        if self.copies is None:
+            return
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.numel() > 1 and not self.copies.is_pinned(v):
+                pinned = self.copies.host_zeros(v.numel(), v.dtype).view(v.shape)
+                pinned.copy_(v)
+                state[k] = pinned
 
     def _kernel_step(self, kernel, opt, b, glo, transfer, table):
         """glo_buf <- the kernel's step with the mean of the sum (agg, or decoded from the
@@ -170,9 +198,12 @@ class TorchUpdate:
         state = opt.state[weight]
         mom = _host_flat(state, "momentum_buffer", weight)
         first = mom is None
-        if first and opt.param_groups[0]["momentum"] != 0:
-            state["momentum_buffer"] = torch.zeros_like(weight)  # torch makes it at step 1
+        if first and opt.param_groups[0]["momentum"] != 0:  # torch makes it at step 1
+            state["momentum_buffer"] = (torch.zeros_like(weight) if self.copies is None else
+                                        self.copies.host_zeros(weight.numel()).view(weight.shape))
             mom = state["momentum_buffer"].view(-1).numpy()
+        elif not first:
+            self._pin_state(state)  # a checkpoint's state, loaded pageable
         w = glo.for_write()
         if table is not None:
             k, m, rows = table
@@ -188,7 +219,8 @@ class TorchUpdate:
         opt = self.shadow(index, glo)  # made here when the local step comes first (a resume)
         state = opt.state[opt.param_groups[0]["params"][0]]
         current = StepSettings.of(self.optimizer).groups[self._group_of[index]]
-        kernel = self._kernel(current) if _host_contiguous(param, grad) else None
+        host = self.copies is None and _host_contiguous(param, grad)  # else on the device
+        kernel = self._kernel(current) if host else None
         if kernel is None:
             self._local_ops(index, glo, param, grad, state, dict(current))
             if encoder is not None:
@@ -211,8 +243,7 @@ class TorchUpdate:
             local = type(self.optimizer)([param], **_constructor_args(self.optimizer, group))
             self._local[index] = local
         with torch.no_grad():
-            # blocking: glo_buf may be overwritten as soon as this returns
-            param.copy_(tensor_of(glo, param.shape))
+            self._into(param, tensor_of(glo, param.shape))  # the update waits for this read
             if _plain_sgd(self.optimizer, current):
                 self._sgd_local(index, param, grad, state.get("momentum_buffer"), current)
                 return
@@ -223,6 +254,15 @@ class TorchUpdate:
             local.step()
         param.grad = saved
         local.state.pop(param, None)
+
+    def _into(self, dst, src):
+        """dst (on the parameter's device) <- src (host): a device model's copy does not
+        block, and the global update waits for it before writing src again; otherwise a
+        plain copy, which returns once done."""
+        if self.copies is not None and not src.is_cuda:
+            self.copies.to_device(src, dst)
+        else:
+            dst.copy_(src)
 
     def _sgd_local(self, index, param, grad, momentum_buffer, group):
         """torch.optim.SGD's rule on the parameter (which holds glo_buf), op for op as its
@@ -244,7 +284,7 @@ class TorchUpdate:
                 buf = d
             else:
                 buf = buffer("momentum_buffer")
-                buf.copy_(momentum_buffer)
+                self._into(buf, momentum_buffer)
                 buf.mul_(mu).add_(d, alpha=1 - group["dampening"])
             if group["nesterov"]:
                 d = torch.add(d, buf, alpha=mu, out=buffer("d"))
@@ -263,7 +303,7 @@ class TorchUpdate:
                 buf = scratch.get(k)
                 if buf is None:
                     buf = scratch[k] = torch.empty_like(v, device=param.device)
-                buf.copy_(v)
+                self._into(buf, v)
                 out[k] = buf
             else:
                 out[k] = copy.deepcopy(v)
@@ -379,19 +419,17 @@ class TorchFramework:
         self.device = self.copies is not None  # gradients arrive by asynchronous copies
         self.has_device = self.device  # offload='auto' places codecs on the device or CPU
         self.readiness = EventReadiness() if self.device else HostReadiness()
-        self.arrays = TorchArrays(pinned=cuda)
+        self.arrays = TorchArrays(self.copies)
 
     def new_buffer(self, shape, dtype=np.float32):
-        if np.dtype(dtype) == np.float32:
-            return host_buffer(shape, self.cuda)
-        return HostBuffer(shape, dtype)
+        return host_buffer(shape, self.copies, dtype)
 
     def on_error(self, callback):
         """Copies and optimizer steps run on the calling thread: their errors raise there."""
 
     def device_codec(self, codec):
         from .device import TorchDeviceCodec
-        return TorchDeviceCodec(codec)
+        return TorchDeviceCodec(codec, self.copies)
 
     def weight(self, key, value):
         """glo_buf's first value from a NumPy copy of the parameter (optimizer.py checked it)."""
@@ -427,7 +465,7 @@ class TorchFramework:
         return settings
 
     def global_update(self, optimizer, num_threads):
-        return TorchUpdate(optimizer, self.group_of, self.num_workers, num_threads)
+        return TorchUpdate(optimizer, self.group_of, self.num_workers, num_threads, self.copies)
 
     def local_updater(self, update, num_workers, config):
         if config.loc_lr is not None:

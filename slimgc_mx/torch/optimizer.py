@@ -6,8 +6,10 @@ in flight) must live in the optimizer. step() hands each parameter's gradient to
 with backup the parameter gets loc_buf (this rank's gradient applied to glo_buf by the
 optimizer's own rule) at once, and glo_buf gets the mean gradient's step when the sum arrives.
 """
+import dataclasses
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -109,6 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group_of[i] = next(g for g, group in enumerate(optimizer.param_groups)
                                if any(q is p for q in group["params"]))
         self._named = named
+        self._last_step = (None, None)  # step()'s seconds and copy counts, for stats()
         self._model = model
         self._transport = transport
         framework = self._framework([p for _, p in named], group_of, transport.num_workers, cuda)
@@ -173,6 +176,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Aggregate every parameter's gradient; the parameters get loc_buf (backup) or the
         global weights. Under a GradScaler a step whose gradients hold inf/NaN on any rank
         is skipped on every rank."""
+        start = time.perf_counter()
+        copies = self._agg.framework.copies
+        before = dataclasses.replace(copies.counts) if copies is not None else None
+        try:
+            return self._step(closure)
+        finally:
+            self._last_step = (time.perf_counter() - start,
+                               copies.counts.since(before) if copies is not None else None)
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -197,6 +210,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for g in grads:
                     torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv)
             mine = bool(found_inf.detach().cpu().item() > 0)
+            if found_inf.is_cuda and self._agg.framework.copies is not None:
+                self._agg.framework.copies.sync()
             if self._transport.any(mine) if self._transport.num_workers > 1 else mine:
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
         for (name, p), g in zip(self._named, grads):
@@ -214,9 +229,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._agg.flush()
 
     def stats(self):
-        """Bytes, times and the CTTab's decision, as the MXNet kvstore's stats()."""
+        """Bytes, times and the CTTab's decision, as the MXNet kvstore's stats(); and the last
+        step()'s own seconds (step_s) and, for a device model, what its copies moved
+        (step_copies: h2d_bytes, d2h_bytes, pageable_bytes, host_syncs; None otherwise)."""
         from ..aggregator import report
-        return report(self._agg, self._agg.config.compressor, 0)
+        out = report(self._agg, self._agg.config.compressor, 0)
+        seconds, counts = self._last_step
+        out["step_s"] = seconds
+        out["step_copies"] = dataclasses.asdict(counts) if counts is not None else None
+        return out
 
     @property
     def cttab(self):
