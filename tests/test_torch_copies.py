@@ -232,3 +232,30 @@ def test_a_steady_step_copies_no_pageable_byte_and_does_not_wait_for_the_device(
     opt.flush()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     opt.close()
+
+
+def test_a_resumed_device_model_continues_bit_for_bit():
+    # a checkpoint's optimizer state is loaded pageable and moved to pinned memory at the
+    # next update: the update must write the state it then keeps
+    def job(steps, resume_at=None):
+        copies = DeferredCopies()
+        model = _model()
+        opt = _optimizer(copies, model, compression="2bit", comm_threshold=4096, backup=True)
+        for step in range(steps):
+            if step == resume_at:
+                state = opt.state_dict()
+                copies.release()
+                opt.close()
+                copies = DeferredCopies()
+                opt = _optimizer(copies, model, compression="2bit", comm_threshold=4096,
+                                 backup=True)
+                opt.load_state_dict(state)
+            _grads(model, step)
+            opt.step()
+            copies.release()
+        opt.flush()
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(job(6), job(6, resume_at=3)):
+        assert torch.equal(a, b)

@@ -196,14 +196,13 @@ class TorchUpdate:
         where torch keeps it."""
         weight = opt.param_groups[0]["params"][0]
         state = opt.state[weight]
+        self._pin_state(state)  # a checkpoint's state, loaded pageable
         mom = _host_flat(state, "momentum_buffer", weight)
         first = mom is None
         if first and opt.param_groups[0]["momentum"] != 0:  # torch makes it at step 1
             state["momentum_buffer"] = (torch.zeros_like(weight) if self.copies is None else
                                         self.copies.host_zeros(weight.numel()).view(weight.shape))
             mom = state["momentum_buffer"].view(-1).numpy()
-        elif not first:
-            self._pin_state(state)  # a checkpoint's state, loaded pageable
         w = glo.for_write()
         if table is not None:
             k, m, rows = table
