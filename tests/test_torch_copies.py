@@ -259,3 +259,30 @@ def test_a_resumed_device_model_continues_bit_for_bit():
 
     for a, b in zip(job(6), job(6, resume_at=3)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backup", [True, False])
+def test_a_cuda_model_gives_the_cpu_models_global_weights_without_pageable_copies(backup):
+    def job(device):
+        model = _model().to(device)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   model, compression="2bit", comm_threshold=4096,
+                                   backup=backup)
+        for step in range(5):
+            gen = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
+            opt.step()
+        counts = opt.stats()["step_copies"]
+        opt.flush()
+        weights = [p.detach().cpu() for p in model.parameters()]
+        opt.close()
+        return weights, counts
+
+    cpu, _ = job("cpu")
+    cuda, counts = job("cuda")
+    for a, b in zip(cpu, cuda):
+        assert torch.equal(a, b)
+    assert counts["pageable_bytes"] == 0 and counts["host_syncs"] <= 1, counts
+    assert counts["d2h_bytes"] == sum(4 * w.numel() for w in cpu)

@@ -274,6 +274,8 @@ def summarize(ranks):
     if "composition" in ranks[0]:
         out["composition"] = {k: statistics.mean(r["composition"][k] for r in ranks)
                               for k in ranks[0]["composition"]}
+    if ranks[0].get("step_copies"):  # rank 0's: every rank copies alike
+        out["step_copies"] = ranks[0]["step_copies"]
     return out
 
 
@@ -563,6 +565,7 @@ def run_rank(spec):
             opt_ms.append((t2 - t1) * 1e3)
         if slim and i == warmup - 1:
             before = opt.stats()
+    last_copies = opt.stats().get("step_copies") if slim else None
     flush_ms = None
     if slim:
         t0 = time.perf_counter()
@@ -584,6 +587,7 @@ def run_rank(spec):
                                               "compressed_transfers", "fused_keys",
                                               "fused_buckets", "cttab_reason") if k in after}
         out["stats"]["cttab_rows"] = len(after.get("cttab") or [])
+        out["step_copies"] = last_copies  # the last timed step's (stats()' step_copies)
         per = {k: (after[k] - before[k]) / steps
                for k in ("compress_s", "comm_s", "blocked_s", "bytes_pushed", "bytes_pulled",
                          "bytes_fp32")}
@@ -770,6 +774,19 @@ def format_table(doc):
                                         "blocked", "overlap"))
             lines.append("| %s | %d | %s | %s |" % (r["model"], r["procs"], r["config"],
                                                     " | ".join(parts)))
+    counted = [r for r in doc["results"] if r.get("step_copies")]
+    if counted:
+        lines += ["", "## Per-step accounting (the last timed step, stats()' step_copies)", "",
+                  "What the step's copies moved, the bytes of those from or to pageable host "
+                  "memory, and the training thread's host synchronisations counted by the "
+                  "adapter.", "",
+                  "| model | P | config | H2D MB | D2H MB | pageable MB | host syncs |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in counted:
+            c = r["step_copies"]
+            lines.append("| %s | %d | %s | %.1f | %.1f | %.1f | %d |" % (
+                r["model"], r["procs"], r["config"], c["h2d_bytes"] / 1e6,
+                c["d2h_bytes"] / 1e6, c["pageable_bytes"] / 1e6, c["host_syncs"]))
     if doc.get("projection"):
         lines += ["", "## Projection onto 10 and 100 Gbit/s (slimgc_mx/bench/scale.py)", "",
                   "Modelled: compute = no-ddp's fwd+bwd here; every tensor 2bit (or float32 "
