@@ -17,11 +17,12 @@ from functools import partial
 
 import numpy as np
 
-from . import agreement, codecs, lanes32, notice
+from . import agreement, codecs, lanes32, notice, sgd_rule
 from .backup import ModelBackup
 from .grad_buf import FusedEncode, Push, mark_nonfinite
 from .offload import Pipeline, TransferStats
 from .planner import Planner
+from .step_clip import StepClip
 from .push_plan import DEVICE, LOCAL_UPDATE, PIECES
 from .cttab import CTTab, NEVER
 from .trace import Trace
@@ -68,6 +69,8 @@ class Aggregator:
                                framework.device_codec, self.backup.wait_version, self.name_of,
                                self.lanes32)
         self.stats = TransferStats()
+        self.clip = StepClip(transport.num_workers)  # clipped steps' gate (step_clip.py)
+        self._deferred = []  # backup off, in a clipped step: (key, version, outs) to write back
         self.update = None  # GlobalUpdate, once an optimizer is set
         self._local = None  # LocalUpdater, built at the first local update
         self.params_local = False  # some parameters hold loc_buf, not the global weights
@@ -162,6 +165,8 @@ class Aggregator:
         self.backup.wait_version(key, step)  # grad_buf and the residual are free again
         push = Push(key, b, step, local=self.config.backup and outs is not None,
                     priority=priority)
+        if self.clip.active:
+            self.clip.add(key, step)
         settings = self.update.settings(b.index)
         transfer = check = None
         if bucket is None:
@@ -191,6 +196,9 @@ class Aggregator:
             self._submit(self.planner.take(bucket))
         self.planner.steps[key] = step + 1
         if not self.config.backup and outs is not None:
+            if self.clip.active:  # its update waits for the step's last key: see end_step
+                self._deferred.append((key, step + 1, outs))
+                return
             if not self.framework.arrays.can_hold:
                 self.send_pending()  # it waits below: a bucket must not wait for later keys
             self.backup.write_back(key, step + 1, outs)
@@ -270,8 +278,34 @@ class Aggregator:
         if transfer.settings is None:
             self.backup.publish(published, partial(_store_sums, transfer))
             return
+        clipped = self.clip.take(transfer)
+        if clipped is not None:  # held until the step's norm is known; its norm needs agg
+            sgd_rule.prepare_decode(transfer, self.num_workers, kernel=False)
+            self.clip.arrive(clipped, transfer, partial(
+                self.backup.publish, published, partial(self.update, transfer, None)))
+            return
         table = self.update.prepare(transfer, self.num_workers)
         self.backup.publish(published, partial(self.update, transfer, table))
+
+    # -- clipping by the global norm (step_clip.py) --------------------------------------
+    def clip_step(self, max_norm, norm_type=2.0):
+        """Clip the mean gradient of the pushes until end_step() by its norm over all of
+        them (torch's clip_grad_norm_ after DDP's averaging): their global updates wait
+        for the step's last sum. Every worker must clip the same steps alike."""
+        if self.update is None:
+            raise RuntimeError("clipping needs an optimizer (set_optimizer)")
+        self.clip.start(max_norm, norm_type)
+
+    def end_step(self):
+        """After a step's pushes: send the partial buckets and seal a clipped step; with
+        backup off the parameters then get the global weights, once the step is applied."""
+        self.send_pending()
+        if not self.clip.active:
+            return
+        self.clip.seal()
+        deferred, self._deferred = self._deferred, []
+        for key, version, outs in deferred:
+            self.backup.write_back(key, version, outs)
 
     # -- collective decisions --------------------------------------------------------------
     def decide_threshold(self):

@@ -23,16 +23,18 @@ def problem(num_workers, steps, seed=0, shapes=SHAPES):
     return w0, grads
 
 
-def run(framework, w0, grads, optimizer, config):
+def run(framework, w0, grads, optimizer, config, clip=None):
     """Per worker: (per step the parameters after its pushes, then the global weights after
     it, each a list over keys; the aggregator's transfer stats).
 
-    framework: 'numpy' or 'mxnet'; optimizer: (learning_rate, momentum, wd, rescale_grad)."""
+    framework: 'numpy' or 'mxnet'; optimizer: (learning_rate, momentum, wd, rescale_grad);
+    clip: (max_norm, norm_type) clips every step (Aggregator.clip_step), and the stats
+    get the mean gradient's norm of each step as "clip_norms"."""
     return in_threads(len(grads[0]), lambda rank, transport: _worker(
-        framework, transport, w0, grads, rank, optimizer, config))
+        framework, transport, w0, grads, rank, optimizer, config, clip))
 
 
-def _worker(framework, transport, w0, grads, rank, optimizer, config):
+def _worker(framework, transport, w0, grads, rank, optimizer, config, clip=None):
     lr, momentum, wd, rescale = optimizer
     cfg = SlimGCConfig(**config)
     if framework == "numpy":
@@ -51,13 +53,19 @@ def _worker(framework, transport, w0, grads, rank, optimizer, config):
     for k, w in enumerate(w0):
         agg.add_key(k, array(w))
     params = [[out(w)] for w in w0]
-    history = []
+    history, norms = [], []
     for step_grads in grads:
+        if clip is not None:
+            agg.clip_step(*clip)
         for k, g in enumerate(step_grads[rank]):
             agg.push(k, [array(g)], params[k])
+        if clip is not None:
+            agg.end_step()
         local = [read(p[0]).copy() for p in params]  # loc_buf with backup, else w_{i+1}
         agg.flush()
         history.append(local + [read(agg.backup.glo_buf(k)).copy() for k in range(len(w0))])
-    stats = dict(agg.stats.__dict__)
+        if clip is not None:
+            norms.append(agg.clip.last.total_norm)
+    stats = dict(agg.stats.__dict__, clip_norms=norms)
     agg.close(join=True)
     return history, stats

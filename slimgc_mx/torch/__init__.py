@@ -8,6 +8,7 @@ The adapter over the backend protocol (docs/backend.md): collective.py (torch.di
 framework.py (host buffers, gradients in, the optimizer's own rule), optimizer.py (the API).
 It imports no MXNet.
 """
+from .clip import clip_grad_norm_
 from .optimizer import DistributedOptimizer, flush, init_process_group
 
-__all__ = ["DistributedOptimizer", "flush", "init_process_group"]
+__all__ = ["DistributedOptimizer", "clip_grad_norm_", "flush", "init_process_group"]

@@ -381,9 +381,18 @@ class TorchLocalUpdate:
 
     def __init__(self, update, host):
         self._update = update
-        self.fused = host and type(update.optimizer) is torch.optim.SGD
+        self._fused = host and type(update.optimizer) is torch.optim.SGD
+        self.scale = None  # clip_grad_norm_ with backup: this rank's own clip coefficient
+
+    @property
+    def fused(self):
+        """Whether the local pass may encode the gradient: not while `scale` clips what it
+        reads (what is sent is the unclipped gradient)."""
+        return self._fused and self.scale is None
 
     def __call__(self, index, grad, glo, out, check=None, encoder=None):
+        if self.scale is not None:
+            grad = grad * self.scale  # the step's pushes are not fused: encoder is None
         if check is not None:
             check.ready = glo  # a host buffer: admitted at once, this thread has done it all
         self._update.local_step(index, glo, out, grad, encoder)

@@ -97,6 +97,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         config = SlimGCConfig.from_sources(settings, os.environ, SOURCE)
         config.validate()
         self._inner = optimizer
+        self._clip = None  # slimgc.clip_grad_norm_'s request for the coming step
         named = self._parameters_of(model, optimizer)
         distributed = _init_process_group()
         transport = TorchTransport(config.timeout) if distributed else LocalTransport()
@@ -190,6 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        clip, self._clip = self._clip, None
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         grads = []
@@ -214,11 +216,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._agg.framework.copies.sync()
             if self._transport.any(mine) if self._transport.num_workers > 1 else mine:
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
-        for (name, p), g in zip(self._named, grads):
-            self._agg.push(name, [g], [p])
-        self._agg.send_pending()
+        if clip is not None:
+            self._clipped_pushes(grads, *clip)
+        else:
+            for (name, p), g in zip(self._named, grads):
+                self._agg.push(name, [g], [p])
+            self._agg.send_pending()
         self._inner._opt_called = True  # what an LR scheduler built on it looks for
         return loss
+
+    # -- clipping by the global norm (slimgc.clip_grad_norm_, clip.py) ----------------------
+    def _request_clip(self, max_norm, norm_type, local_scale):
+        """Clip the coming step; `local_scale`: the local update's own clip (backup), or None."""
+        self._clip = (max_norm, norm_type, local_scale)
+
+    def _clipped_pushes(self, grads, max_norm, norm_type, local_scale):
+        """step()'s pushes as one clipped step of the engine (Aggregator.clip_step)."""
+        local = self._agg.local_updater() if self._agg.config.backup else None
+        self._agg.clip_step(max_norm, norm_type)
+        if local is not None:
+            local.scale = local_scale
+        try:
+            for (name, p), g in zip(self._named, grads):
+                self._agg.push(name, [g], [p])
+        finally:
+            if local is not None:
+                local.scale = None
+        self._agg.end_step()
+
+    @property
+    def global_grad_norm(self):
+        """The mean gradient's norm that slimgc.clip_grad_norm_ clipped at the latest step
+        applied to the global weights (after flush(), the last step), else None."""
+        last = self._agg.clip.last
+        return None if last is None else last.total_norm
 
     def zero_grad(self, set_to_none=True):
         self._inner.zero_grad(set_to_none=set_to_none)
