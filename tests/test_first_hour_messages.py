@@ -138,3 +138,16 @@ def test_the_quick_run_of_two_codecs_completes(capsys):
     err = capsys.readouterr().err
     assert err.startswith("codecs: 2 codecs on 1048576 elements, best of 3")
     assert "--quick runs in seconds" not in err and "[2/2] topk" in err
+
+
+# -- python -m slimgc_mx.launch.netns ---------------------------------------------------------
+
+def test_the_netns_module_runs_without_runpys_warning():
+    """run.sh's `python -m slimgc_mx.launch.netns --check` printed runpy's RuntimeWarning:
+    the package imported the module before runpy executed it."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m",
+                        "slimgc_mx.launch.netns"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert "RuntimeWarning" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "usage: python -m slimgc_mx.launch.netns --check" in r.stderr
