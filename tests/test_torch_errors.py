@@ -98,3 +98,29 @@ def test_a_job_of_one_trains_and_state_dict_loads_into_another_optimizer_class_r
         adam.load_state_dict(state)
     opt.close()
     adam.close()
+
+
+def _trained(steps=3, **options):
+    """A job of one after `steps` steps of the same batch."""
+    model, opt = make(**dict(dict(compression="2bit", comm_threshold=0, warmup_steps=2),
+                             **options))
+    x, y = torch.randn(32, 4, generator=torch.Generator().manual_seed(1)), \
+        torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(2))
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def test_a_state_of_another_world_size_says_the_sizes_differ():
+    """It listed the two (identical) key lists instead."""
+    model, opt = _trained()
+    state = opt.state_dict()
+    state["num_workers"] = 4
+    with pytest.raises(ValueError) as exc:
+        opt.load_state_dict(state)
+    message = str(exc.value)
+    assert "world sizes differ (saved 4, now 1)" in message, message
+    assert "keys" not in message and "'0.weight'" not in message, message
+    opt.close()
