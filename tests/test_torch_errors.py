@@ -124,3 +124,30 @@ def test_a_state_of_another_world_size_says_the_sizes_differ():
     assert "world sizes differ (saved 4, now 1)" in message, message
     assert "keys" not in message and "'0.weight'" not in message, message
     opt.close()
+
+
+def test_a_misspelt_setting_or_option_suggests_the_closest_name():
+    """warmup_step=5 said "codec '2bit' has no option warmup_step" with no hint."""
+    with pytest.raises(ValueError, match="has no option warmup_step.*did you mean warmup_steps"):
+        make(warmup_step=5)
+    with pytest.raises(ValueError, match="did you mean ratio"):
+        make(compression="topk", ratoi=0.1)
+
+
+def test_codec_options_with_compression_none_are_refused():
+    """threshold=0.1 with compression='none' was accepted and did nothing."""
+    with pytest.raises(ValueError, match="compressor 'none' takes no codec options.*"
+                                         "threshold=0.1"):
+        make(compression="none", threshold=0.1)
+    with pytest.raises(ValueError, match="compressor 'none' takes no codec options.*levels=8"):
+        make(compression="none", levels=8)
+    make(compression="none")[1].close()  # none alone is fine
+
+
+def test_a_model_on_the_meta_device_is_refused_naming_the_fix():
+    """It got torch's bare "Cannot copy out of meta tensor"."""
+    with torch.device("meta"):
+        model = net()
+    with pytest.raises(ValueError, match=r"parameter 0.weight is on the meta device.*"
+                                         r"to_empty\(device=.*before"):
+        slimgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)

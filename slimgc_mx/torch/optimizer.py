@@ -144,6 +144,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "parameters of the model: pass the model whose parameters it "
                              "updates" % extra)
         for n, p in named:
+            if p.is_meta:
+                raise ValueError("parameter %s is on the meta device (a shape without values): "
+                                 "materialize the model with model.to_empty(device=...) and "
+                                 "initialize its weights (e.g. each module's "
+                                 "reset_parameters()) before wrapping it" % n)
             if p.dtype != torch.float32:
                 raise TypeError("parameter %s is %s: slimgc aggregates float32 parameters only "
                                 "(keep the model in float32; torch.autocast computes in lower "
