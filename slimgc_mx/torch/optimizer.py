@@ -58,6 +58,18 @@ def init_process_group(backend="gloo", timeout=None):
                             rank=rank, world_size=world, timeout=span)
 
 
+#: How to train parameters added after wrapping (add_param_group, step()'s check).
+_GROUPS_FIX = ("Add every group to the inner optimizer before wrapping it "
+               "(inner.add_param_group(...) first, then build the DistributedOptimizer); to "
+               "train a head later, give it to the optimizer from the start with lr=0 and "
+               "raise its lr when it should learn")
+
+
+def _group_sizes(optimizer):
+    """(param groups, parameters) of `optimizer`: what step() compares, cheaply."""
+    return len(optimizer.param_groups), sum(len(g["params"]) for g in optimizer.param_groups)
+
+
 def _init_process_group():
     """True once torch.distributed is initialized (from the launcher's variables when the
     script has not), False for a job of one (no WORLD_SIZE)."""
@@ -125,6 +137,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             transport.broadcast_tensors([b.data for b in self._buffers])
         self._hook = model.register_forward_pre_hook(lambda module, args: (
             self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
+        self._groups = _group_sizes(optimizer)  # the keys are fixed from here on
+
+    def add_param_group(self, param_group):
+        """Refused once built: the engine's keys are declared on every rank at construction,
+        so a group added now would never be trained (torch.optim.Optimizer's own call in
+        __init__ adds its placeholder)."""
+        if "_groups" not in self.__dict__:
+            return super().add_param_group(param_group)
+        raise ValueError("add_param_group on a DistributedOptimizer: its parameters are "
+                         "fixed when it is built, so this group would never be trained. "
+                         + _GROUPS_FIX)
 
     @staticmethod
     def _parameters_of(model, optimizer):
@@ -176,6 +199,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if _group_sizes(self._inner) != self._groups:
+            raise ValueError("the optimizer has %d param groups of %d parameters, %d of %d when "
+                             "it was wrapped: its parameters are fixed when the "
+                             "DistributedOptimizer is built, so added ones would never be "
+                             "trained. %s" % (_group_sizes(self._inner) + self._groups
+                                              + (_GROUPS_FIX,)))
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         grads = []
