@@ -262,18 +262,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self):
         """Everything a resumed job needs (glo_buf, residuals, codec and optimizer states, the
-        CTTab's decision), as tensors and plain values: torch.save/torch.load(weights_only=True)
-        keep it without pickling code. It flushes first (the model gets the global weights)."""
-        self.flush()
+        CTTab's decision, and under backup the parameters, which hold loc_buf), as tensors
+        and plain values: torch.save/torch.load(weights_only=True) keep it without pickling
+        code. It waits for the aggregations in flight and writes nothing into the model, so
+        taking it changes no step that follows."""
+        self._agg.send_pending()
+        self._agg.pipeline.wait_idle(self._agg.config.timeout)
         state = to_tensors(checkpoint.state(self._agg))
         state["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.param_groups]  # lr as a scheduler left it
+        if self._agg.params_local:  # the next forward reads loc_buf, not glo_buf
+            state["parameters"] = {name: p.detach().cpu().clone() for name, p in self._named}
         return state
 
     def load_state_dict(self, state_dict):
-        """Restore state_dict(); the model gets the saved global weights."""
+        """Restore state_dict(); the model gets the parameters it had when it was taken
+        (loc_buf under backup, else the global weights)."""
         state = dict(state_dict)
         groups = state.pop("param_groups", None)
+        params = state.pop("parameters", None)
         if groups is None or len(groups) != len(self.param_groups):
             raise ValueError("state_dict holds %s param groups; this optimizer has %d: a state "
                              "of another optimizer" % (None if groups is None else len(groups),
@@ -287,7 +294,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group.update(saved)
         for name, p in self._named:
             with torch.no_grad():
-                p.copy_(self._agg.backup.glo_buf(name).view(p.shape))
+                p.copy_(params[name].view(p.shape) if params is not None else
+                        self._agg.backup.glo_buf(name).view(p.shape))
+        self._agg.params_local = params is not None
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self):
