@@ -83,11 +83,15 @@ def check(state, agg, where):
             raise ValueError("%s was written with %s=%r but this job uses %r"
                              % (where, name, value, mine.get(name)))
     keys = agg.planner.keys
-    if state["num_workers"] != agg.num_workers or set(state["keys"]) != set(keys):
-        raise ValueError("%s holds %d workers and keys %s; this job has %d "
-                         "workers and keys %s" % (where, state["num_workers"],
-                                                  sorted(map(repr, state["keys"])),
-                                                  agg.num_workers, sorted(map(repr, keys))))
+    if state["num_workers"] != agg.num_workers:
+        raise ValueError("%s holds %d workers, this job has %d: the world sizes differ "
+                         "(saved %d, now %d); resume with as many workers as saved it"
+                         % (where, state["num_workers"], agg.num_workers,
+                            state["num_workers"], agg.num_workers))
+    if set(state["keys"]) != set(keys):
+        raise ValueError("%s holds keys %s; this job has keys %s: a checkpoint of another "
+                         "model" % (where, sorted(map(repr, state["keys"])),
+                                    sorted(map(repr, keys))))
     for key, b in keys.items():
         saved, glo = state["keys"][key], state["backup"][key]["glo_buf"]
         memory = b.codec.memory_size(b.size) if b.codec is not None else b.size

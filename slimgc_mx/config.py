@@ -113,8 +113,9 @@ class SlimGCConfig:
         raw = env.option_variables(cls.field_names(), environ)
         values = {name: _parse(name, text, env.OPTION_PREFIX + name.upper())
                   for name, text in raw.items()}
-        values, messages = _merge(values, raw, normalize_options(options or {}),
-                                  options or {}, source)
+        explicit = normalize_options(options or {})
+        values, messages = _merge(values, raw, explicit, options or {}, source)
+        _check_none_takes_no_options(values.get("compressor", "2bit"), explicit, source)
         for message in messages:
             notice.tell(message, once=True)
         return cls(**values)
@@ -129,7 +130,15 @@ class SlimGCConfig:
                              % (self.compressor, ", ".join(codecs.available())))
         if not isinstance(self.codec_options, dict):
             raise ValueError("codec_options must be a dict, got %r" % (self.codec_options,))
-        self.codec_options = codecs.create(self.compressor, **self.codec_options).option_values
+        try:
+            self.codec_options = codecs.create(self.compressor,
+                                               **self.codec_options).option_values
+        except ValueError as exc:
+            unknown = set(self.codec_options) - set(codecs.option_names(self.compressor))
+            hint = did_you_mean(sorted(unknown)[0], self.compressor) if unknown else ""
+            if not hint:
+                raise
+            raise ValueError("%s%s" % (exc, hint)) from None
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError("seed must be an integer >= 0, got %r" % (self.seed,))
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
@@ -219,13 +228,40 @@ def normalize_options(options):
             out.setdefault("codec_options", {})[key] = value
             continue
         if name not in valid:
-            raise ValueError("unknown SlimGC option %r; valid: %s, or a codec's own option (%s)"
+            raise ValueError("unknown SlimGC option %r; valid: %s, or a codec's own option (%s)%s"
                              % (key, ", ".join(["type"] + valid),
-                                ", ".join(sorted(codec_keys)) or "none"))
+                                ", ".join(sorted(codec_keys)) or "none",
+                                did_you_mean(key, options.get("type", options.get(
+                                    "compressor")))))
         out[name] = _parse(name, value, repr(key)) if isinstance(value, str) else value
     if isinstance(out.get("comm_threshold"), float) and out["comm_threshold"].is_integer():
         out["comm_threshold"] = int(out["comm_threshold"])
     return out
+
+
+def did_you_mean(name, compressor=None):
+    """'; did you mean X?' for the setting or option of `compressor` closest to the
+    misspelt `name` (every codec's options when it names none), else ''."""
+    import difflib
+    chosen = [compressor] if compressor in codecs.available() else codecs.available()
+    names = SlimGCConfig.field_names() + [o for c in chosen for o in codecs.option_names(c)]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return "; did you mean %s?" % close[0] if close else ""
+
+
+def _check_none_takes_no_options(compressor, explicit, source):
+    """Refuse a threshold or codec option given with compressor 'none' (full precision
+    uses none, so it would be dropped without a word); the environment's are not refused,
+    as it may serve jobs of several codecs."""
+    if compressor != "none":
+        return
+    given = dict(explicit.get("codec_options") or {})
+    if "threshold" in explicit:
+        given["threshold"] = explicit["threshold"]
+    if given:
+        raise ValueError("compressor 'none' takes no codec options: %s given in %s; it sends "
+                         "full precision, so drop them, or choose a codec that takes them"
+                         % (", ".join("%s=%r" % kv for kv in sorted(given.items())), source))
 
 
 def _merge(values, raw, explicit, given, source):

@@ -138,3 +138,42 @@ def test_the_quick_run_of_two_codecs_completes(capsys):
     err = capsys.readouterr().err
     assert err.startswith("codecs: 2 codecs on 1048576 elements, best of 3")
     assert "--quick runs in seconds" not in err and "[2/2] topk" in err
+
+
+# -- python -m slimgc_mx.launch.netns ---------------------------------------------------------
+
+def test_the_netns_module_runs_without_runpys_warning():
+    """run.sh's `python -m slimgc_mx.launch.netns --check` printed runpy's RuntimeWarning:
+    the package imported the module before runpy executed it."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m",
+                        "slimgc_mx.launch.netns"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert "RuntimeWarning" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "usage: python -m slimgc_mx.launch.netns --check" in r.stderr
+
+
+# -- settings: a misspelt name, options that compressor 'none' does not take ------------------
+
+def test_a_misspelt_setting_suggests_the_closest_name_on_the_mxnet_side_too():
+    from slimgc_mx.config import SlimGCConfig
+    with pytest.raises(ValueError, match="unknown SlimGC option 'warmup_step'.*"
+                                         "did you mean warmup_steps\\?"):
+        SlimGCConfig.from_sources({"type": "2bit", "warmup_step": 5}, {})
+    with pytest.raises(ValueError, match="has no option warmup_step.*did you mean warmup_steps"):
+        SlimGCConfig.from_sources({"codec_options": {"warmup_step": 5}}, {})
+
+
+def test_compression_params_of_none_with_a_threshold_are_refused():
+    from slimgc_mx.config import SlimGCConfig
+    with pytest.raises(ValueError, match="compressor 'none' takes no codec options: "
+                                         "threshold=0.1 given in compression_params"):
+        SlimGCConfig.from_sources({"type": "none", "threshold": 0.1}, {}, "compression_params")
+    assert SlimGCConfig.from_sources({"type": "none"}, {"SLIMGC_THRESHOLD": "0.1"}).threshold \
+        == 0.1  # the environment may be shared by jobs of several codecs: not refused
+
+
+def test_the_benchmarks_full_precision_configuration_gives_no_threshold():
+    from slimgc_mx.bench import cluster
+    assert "--threshold" not in cluster.config_args("slimgc-none-full")
+    assert "--threshold" in cluster.config_args("slimgc-2bit-full")

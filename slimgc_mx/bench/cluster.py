@@ -91,8 +91,9 @@ def config_args(name: str) -> List[str]:
                             ", ".join(TORCH_HOOKS) + ", torch-no-comm",
                             ", ".join(available_codecs())))
     torch_job, codec, options, step, fusion = m.groups()
-    args = (TORCH_ARGS if torch_job else []) + ["--kvstore", "slimgc", "--compressor", codec,
-                                                "--threshold", "0.5"]
+    args = (TORCH_ARGS if torch_job else []) + ["--kvstore", "slimgc", "--compressor", codec]
+    if codec != "none":  # (compressor 'none' takes no codec options)
+        args += ["--threshold", "0.5"]
     for option in filter(None, (options or "").split(";")):
         args += ["--codec-option", option]
     args += {"classic": ["--comm-threshold", "off", "--no-offload", "--no-backup"],

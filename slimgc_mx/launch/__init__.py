@@ -4,6 +4,10 @@ Every process runs the same COMMAND; only DMLC_* variables tell it its role. Sta
 library only: launching imports nothing that imports MXNet (a server or scheduler enters
 its loop inside `import mxnet`).
 Usage: python -m slimgc_mx.launch -n 2 -s 2 python train.py   (see docs/launcher.md)
+
+Nothing the package imports imports .netns (cli and plan import it where --launcher netns
+needs it): `python -m slimgc_mx.launch.netns --check` would otherwise find it imported
+before runpy runs it, and warn.
 """
 from ..env import ENGINE_THREADS_VAR, WORKER_ENGINE_THREADS
 from .cli import build_parser, main, parse_args

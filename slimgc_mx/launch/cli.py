@@ -7,7 +7,6 @@ import sys
 from typing import List, Optional
 
 from ..env import SERVER_ENV_TEXT, ssh_program
-from . import netns
 from .command import RUN_MODULE, prepare
 from .job import NEVER_JOINED_STATUS, LaunchedJob, describe_status
 from .plan import LaunchError, StartError, build_plan, plan_again, plural
@@ -187,6 +186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with contextlib.ExitStack() as stack:
             cluster = None
             if args.launcher == "netns":
+                from . import netns  # here: see launch/__init__.py
                 cluster = stack.enter_context(netns.cluster_for(args))
             plan = build_plan(args, cluster)
             tell_command(args.command, prepared)

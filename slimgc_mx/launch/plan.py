@@ -12,7 +12,6 @@ from typing import Dict, List, Optional, Tuple
 
 from ..env import (ENGINE_THREADS_VAR, LAUNCH_INDEX_VAR, SERVER_ENV, TERMINAL_VAR,
                    WORKER_ENGINE_THREADS, available_cpus)
-from .netns import NODE_IFACE, NetnsRunner
 from .runners import LocalRunner, Runner, SshRunner
 
 log = logging.getLogger("slimgc_mx.launch")
@@ -193,6 +192,7 @@ def build_plan(args, cluster=None) -> List[Task]:
         else:
             if cluster is None:
                 raise LaunchError("--launcher netns needs its namespaces (netns.NetnsCluster)")
+            from .netns import NODE_IFACE, NetnsRunner  # here: see launch/__init__.py
             runner = sched_runner = NetnsRunner()
             sched_node = cluster.ns("scheduler")
             root_uri = cluster.ip("scheduler")
@@ -296,6 +296,7 @@ def torch_plan(args, cluster=None) -> List[Task]:
     else:
         port = free_port()  # in netns rank 0's namespace is fresh: any port is free there
     if args.launcher == "netns":
+        from .netns import NODE_IFACE, NetnsRunner  # here: see launch/__init__.py
         runner, master, iface = NetnsRunner(), cluster.ip("worker 0"), NODE_IFACE
         nodes = [cluster.ns("worker %d" % i) for i in range(n)]
     else:

@@ -60,6 +60,18 @@ def init_process_group(backend="gloo", timeout=None):
                             rank=rank, world_size=world, timeout=span)
 
 
+#: How to train parameters added after wrapping (add_param_group, step()'s check).
+_GROUPS_FIX = ("Add every group to the inner optimizer before wrapping it "
+               "(inner.add_param_group(...) first, then build the DistributedOptimizer); to "
+               "train a head later, give it to the optimizer from the start with lr=0 and "
+               "raise its lr when it should learn")
+
+
+def _group_sizes(optimizer):
+    """(param groups, parameters) of `optimizer`: what step() compares, cheaply."""
+    return len(optimizer.param_groups), sum(len(g["params"]) for g in optimizer.param_groups)
+
+
 def _init_process_group():
     """True once torch.distributed is initialized (from the launcher's variables when the
     script has not), False for a job of one (no WORLD_SIZE)."""
@@ -129,6 +141,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             transport.broadcast_tensors([b.data for b in self._buffers])
         self._hook = model.register_forward_pre_hook(lambda module, args: (
             self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
+        self._groups = _group_sizes(optimizer)  # the keys are fixed from here on
+
+    def add_param_group(self, param_group):
+        """Refused once built: the engine's keys are declared on every rank at construction,
+        so a group added now would never be trained (torch.optim.Optimizer's own call in
+        __init__ adds its placeholder)."""
+        if "_groups" not in self.__dict__:
+            return super().add_param_group(param_group)
+        raise ValueError("add_param_group on a DistributedOptimizer: its parameters are "
+                         "fixed when it is built, so this group would never be trained. "
+                         + _GROUPS_FIX)
 
     @staticmethod
     def _framework(params, group_of, num_workers, cuda):
@@ -154,6 +177,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "parameters of the model: pass the model whose parameters it "
                              "updates" % extra)
         for n, p in named:
+            if p.is_meta:
+                raise ValueError("parameter %s is on the meta device (a shape without values): "
+                                 "materialize the model with model.to_empty(device=...) and "
+                                 "initialize its weights (e.g. each module's "
+                                 "reset_parameters()) before wrapping it" % n)
             if p.dtype != torch.float32:
                 raise TypeError("parameter %s is %s: slimgc aggregates float32 parameters only "
                                 "(keep the model in float32; torch.autocast computes in lower "
@@ -191,6 +219,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if _group_sizes(self._inner) != self._groups:
+            raise ValueError("the optimizer has %d param groups of %d parameters, %d of %d when "
+                             "it was wrapped: its parameters are fixed when the "
+                             "DistributedOptimizer is built, so added ones would never be "
+                             "trained. %s" % (_group_sizes(self._inner) + self._groups
+                                              + (_GROUPS_FIX,)))
         clip, self._clip = self._clip, None
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -286,18 +320,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self):
         """Everything a resumed job needs (glo_buf, residuals, codec and optimizer states, the
-        CTTab's decision), as tensors and plain values: torch.save/torch.load(weights_only=True)
-        keep it without pickling code. It flushes first (the model gets the global weights)."""
-        self.flush()
+        CTTab's decision, and under backup the parameters, which hold loc_buf), as tensors
+        and plain values: torch.save/torch.load(weights_only=True) keep it without pickling
+        code. It waits for the aggregations in flight and writes nothing into the model, so
+        taking it changes no step that follows."""
+        self._agg.send_pending()
+        self._agg.pipeline.wait_idle(self._agg.config.timeout)
         state = to_tensors(checkpoint.state(self._agg))
         state["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.param_groups]  # lr as a scheduler left it
+        if self._agg.params_local:  # the next forward reads loc_buf, not glo_buf
+            state["parameters"] = {name: p.detach().cpu().clone() for name, p in self._named}
         return state
 
     def load_state_dict(self, state_dict):
-        """Restore state_dict(); the model gets the saved global weights."""
+        """Restore state_dict(); the model gets the parameters it had when it was taken
+        (loc_buf under backup, else the global weights)."""
         state = dict(state_dict)
         groups = state.pop("param_groups", None)
+        params = state.pop("parameters", None)
         if groups is None or len(groups) != len(self.param_groups):
             raise ValueError("state_dict holds %s param groups; this optimizer has %d: a state "
                              "of another optimizer" % (None if groups is None else len(groups),
@@ -311,7 +352,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group.update(saved)
         for name, p in self._named:
             with torch.no_grad():
-                p.copy_(self._agg.backup.glo_buf(name).view(p.shape))
+                p.copy_(params[name].view(p.shape) if params is not None else
+                        self._agg.backup.glo_buf(name).view(p.shape))
+        self._agg.params_local = params is not None
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self):

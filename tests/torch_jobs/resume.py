@@ -1,6 +1,6 @@
 """A rank trains 10 steps taking state_dict() after step 5 twice: going on (`straight`), and
 restarting from it in fresh objects (`resumed`, via torch.save/torch.load weights_only);
-records both weights. With a checkpoint's flush in both, the two must agree bitwise."""
+records both weights. The two must agree bitwise."""
 import os
 import sys
 
