@@ -8,8 +8,10 @@ as slimgc_mx.torch.DistributedOptimizer (docs/pytorch.md).
     slimgc_mx.flush(trainer)              # global weights into the parameters
 
 Importing the package does not import MXNet: the names are registered at once if MXNet
-is already imported, else right after it is (mxnet.hooks.register). `slimgc_mx.codecs`,
-`slimgc_mx.cttab` and `slimgc_mx.launch` never import MXNet.
+is already imported, else right after it is (mxnet.hooks.register): that hook is all this
+front door knows of an adapter. The engine is slimgc_mx.engine, the adapters
+slimgc_mx.mxnet (its store: slimgc_mx.mxnet.SlimGC) and slimgc_mx.torch;
+`slimgc_mx.codecs`, `slimgc_mx.engine` and `slimgc_mx.launch` never import MXNet.
 """
 import importlib
 import importlib.abc
@@ -17,7 +19,7 @@ import importlib.util
 import sys
 
 __version__ = "0.1.0"
-__all__ = ["SlimGC", "SlimGCConfig", "flush", "register"]
+__all__ = ["SlimGCConfig", "flush", "register"]
 
 
 def register():
@@ -33,17 +35,17 @@ def flush(trainer_or_kvstore):
     no-op for any other kvstore, so scripts can call it unconditionally.
     """
     kv = getattr(trainer_or_kvstore, "_kvstore", trainer_or_kvstore)
-    kvstore = sys.modules.get(__name__ + ".mxnet.kvstore")
-    if kvstore is not None and isinstance(kv, kvstore.SlimGC):
+    if getattr(kv, "is_slimgc", False):
         kv.flush()
 
 
 def __getattr__(name):
-    """SlimGC and SlimGCConfig on first use (SlimGC imports MXNet)."""
-    if name == "SlimGC":
-        return importlib.import_module(__name__ + ".mxnet.kvstore").SlimGC
+    """SlimGCConfig on first use; where SlimGC lives now."""
     if name == "SlimGCConfig":
-        return importlib.import_module(__name__ + ".config").SlimGCConfig
+        return importlib.import_module(__name__ + ".engine.config").SlimGCConfig
+    if name == "SlimGC":
+        raise AttributeError("slimgc_mx.SlimGC is slimgc_mx.mxnet.SlimGC (or pass "
+                             "kvstore='slimgc' by name)")
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 

@@ -6,11 +6,11 @@ thread Collective on plain NumPy host arrays (backend.py), N workers as threads.
 Imports no framework, so a test can run it in an interpreter where MXNet is never loaded.
 """
 from slimgc_mx import codecs
-from slimgc_mx.config import SlimGCConfig
-from slimgc_mx.grad_buf import Push
-from slimgc_mx.offload import Pipeline
-from slimgc_mx.planner import Planner
-from slimgc_mx.cttab import CTTab
+from slimgc_mx.engine.config import SlimGCConfig
+from slimgc_mx.engine.grad_buf import Push
+from slimgc_mx.engine.offload import Pipeline
+from slimgc_mx.engine.planner import Planner
+from slimgc_mx.engine.cttab import CTTab
 from slimgc_mx.transport import HostBuffer, HostReadiness
 from thread_workers import in_threads
 

@@ -7,8 +7,8 @@ test is of the engine, not of a model.
 """
 import numpy as np
 
-from slimgc_mx.aggregator import Aggregator
-from slimgc_mx.config import SlimGCConfig
+from slimgc_mx.engine.aggregator import Aggregator
+from slimgc_mx.engine.config import SlimGCConfig
 from thread_workers import in_threads
 
 SHAPES = [(3,), (16, 12), (40, 50), (7,), (64, 33)]
@@ -38,14 +38,15 @@ def _worker(framework, transport, w0, grads, rank, optimizer, config, clip=None)
     lr, momentum, wd, rescale = optimizer
     cfg = SlimGCConfig(**config)
     if framework == "numpy":
-        from slimgc_mx.numpy_backend import SGD, NumpyFramework
+        from slimgc_mx.engine.numpy_backend import SGD, NumpyFramework
         agg = Aggregator(cfg, transport, framework=NumpyFramework())
         agg.set_optimizer(SGD(learning_rate=lr, momentum=momentum, wd=wd, rescale_grad=rescale))
         array, out = (lambda a: a.copy()), (lambda a: np.zeros_like(a))
         read = np.array
     else:
         import mxnet as mx
-        agg = Aggregator(cfg, transport)
+        from slimgc_mx.mxnet.framework import MXNetFramework
+        agg = Aggregator(cfg, transport, MXNetFramework())
         agg.set_optimizer(mx.optimizer.SGD(learning_rate=lr, momentum=momentum, wd=wd,
                                            rescale_grad=rescale))
         array, out = mx.nd.array, (lambda a: mx.nd.zeros(a.shape))

@@ -7,7 +7,8 @@ import pytest
 import host_engine
 from codec_contract import assert_same, run_steps
 from thread_workers import frameworks_loaded_by
-from slimgc_mx import backend, codecs
+from slimgc_mx import codecs
+from slimgc_mx.engine import backend
 from slimgc_mx.transport import (HostArrays, HostBuffer, HostReadiness, LocalTransport,
                                  ThreadGroup, TransferHandle)
 
@@ -71,7 +72,7 @@ def test_the_model_backup_runs_on_host_arrays():
     backup off waiting for w_{i+1}, flush and state_dict, with no framework loaded."""
     code = r'''
 import threading, numpy as np
-from slimgc_mx.backup import ModelBackup
+from slimgc_mx.engine.backup import ModelBackup
 from slimgc_mx.transport import HostArrays
 b = ModelBackup(True, 5.0, HostArrays())
 b.add("w", np.array([1.0, 2.0, 3.0], np.float32))

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import training_helpers as th
-from slimgc_mx.backup import BackupTimeout, ModelBackup
-from slimgc_mx.offload import PipelineError
+from slimgc_mx.engine.backup import BackupTimeout, ModelBackup
+from slimgc_mx.engine.offload import PipelineError
 from slimgc_mx.mxnet.sgd import SGDKernel
 from slimgc_mx.mxnet.buffers import ArrayOps
 from slimgc_mx.mxnet.engine import EngineNotifier

@@ -12,7 +12,7 @@ import pytest
 
 from slimgc_mx import codecs
 from slimgc_mx.bench import cluster, scale, shapes
-from slimgc_mx.cttab import NEVER, CTTab
+from slimgc_mx.engine.cttab import NEVER, CTTab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1e6

@@ -148,7 +148,7 @@ def test_momentum_advice_below_half_with_momentum(ratio, momentum, advised):
 
 def test_the_engine_warns_once_per_process(monkeypatch):
     import warnings
-    from slimgc_mx import planner
+    from slimgc_mx.engine import planner
     monkeypatch.setattr(planner, "_ADVISED", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

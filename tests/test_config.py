@@ -1,7 +1,7 @@
 """SlimGCConfig: sources, precedence and clear errors for bad options."""
 import pytest
 
-from slimgc_mx.config import SlimGCConfig
+from slimgc_mx.engine.config import SlimGCConfig
 
 
 def test_defaults():

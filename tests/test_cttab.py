@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from slimgc_mx.cttab import CTTab, NEVER, fit_link, format_bytes
+from slimgc_mx.engine.cttab import CTTab, NEVER, fit_link, format_bytes
 
 
 def _row(size, t_c, t_q, tensors=1):

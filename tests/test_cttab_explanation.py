@@ -6,7 +6,7 @@ from fractions import Fraction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slimgc_mx.cttab import CTTab, NEVER, format_bytes
+from slimgc_mx.engine.cttab import CTTab, NEVER, format_bytes
 
 SIZES = [64 << i for i in range(20)]  # 64 B .. 32 MiB: each prints differently
 BENEFIT = r"(just above |just below |exactly )?(\d+\.\d+|inf)"
@@ -163,7 +163,7 @@ def test_a_worker_adopting_rank_0s_cut_does_not_explain_it_with_its_own_table():
 
 def test_a_cut_above_every_measured_size_is_explained_not_raised():
     """A BestCT no row reaches (rank 0's, or a replayed one) says nothing is compressed."""
-    from slimgc_mx.cttab import CTTab
+    from slimgc_mx.engine.cttab import CTTab
     table = CTTab("auto", warmup_steps=2, rule="measured")
     table.rows = [{"size": 400, "tensors": 1, "t_c": 1e-3, "t_q": 6e-4, "ratio": 1.7}]
     table.choose = staticmethod(lambda rows, rule="fit", margin=0.0: 4096)

@@ -7,7 +7,8 @@ import warnings
 import numpy as np
 import pytest
 
-from slimgc_mx import config, env
+from slimgc_mx import env
+from slimgc_mx.engine import config
 from slimgc_mx.bench import datasets
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slimgc_mx")

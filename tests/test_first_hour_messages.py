@@ -25,7 +25,7 @@ def _train(*args, timeout=300):
 def test_the_fused_summary_speaks_of_compressed_buckets_only_when_they_are_on(
         caplog, fuse_compressed):
     import training_helpers as th
-    caplog.set_level(logging.INFO, logger="slimgc_mx.planner")
+    caplog.set_level(logging.INFO, logger="slimgc_mx.engine.planner")
     th.slimgc_workers(2, lambda: th.dense_net((32, 4)), th.batches(6), compressor="2bit",
                       comm_threshold=256, warmup_steps=2, timeout=30,
                       fuse_compressed=fuse_compressed)
@@ -74,7 +74,7 @@ def _train_parser():
 
 
 def test_reliability_md_quotes_the_unknown_compressor_message_as_raised():
-    from slimgc_mx.config import SlimGCConfig
+    from slimgc_mx.engine.config import SlimGCConfig
     (row,) = [line for line in _doc("reliability.md").splitlines()
               if line.startswith("| Unknown compressor |")]
     quoted = row.split("`")[1]
@@ -156,7 +156,7 @@ def test_the_netns_module_runs_without_runpys_warning():
 # -- settings: a misspelt name, options that compressor 'none' does not take ------------------
 
 def test_a_misspelt_setting_suggests_the_closest_name_on_the_mxnet_side_too():
-    from slimgc_mx.config import SlimGCConfig
+    from slimgc_mx.engine.config import SlimGCConfig
     with pytest.raises(ValueError, match="unknown SlimGC option 'warmup_step'.*"
                                          "did you mean warmup_steps\\?"):
         SlimGCConfig.from_sources({"type": "2bit", "warmup_step": 5}, {})
@@ -165,7 +165,7 @@ def test_a_misspelt_setting_suggests_the_closest_name_on_the_mxnet_side_too():
 
 
 def test_compression_params_of_none_with_a_threshold_are_refused():
-    from slimgc_mx.config import SlimGCConfig
+    from slimgc_mx.engine.config import SlimGCConfig
     with pytest.raises(ValueError, match="compressor 'none' takes no codec options: "
                                          "threshold=0.1 given in compression_params"):
         SlimGCConfig.from_sources({"type": "none", "threshold": 0.1}, {}, "compression_params")

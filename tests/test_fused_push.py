@@ -13,7 +13,7 @@ from mxnet import autograd, gluon
 import slimgc_mx
 import training_helpers as th
 from slimgc_mx import codecs
-from slimgc_mx.aggregator import Aggregator
+from slimgc_mx.engine.aggregator import Aggregator
 from slimgc_mx.mxnet.framework import MXNetFramework
 from slimgc_mx.codecs.base import NonFiniteGradientError, kernels
 from slimgc_mx.mxnet.kvstore import SlimGC
@@ -97,8 +97,8 @@ def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, 
         encoders.append(encoder is not None)
         return encoder
 
-    def recorded(self, b, grads, fused=False):
-        grad, source = source_of(self, b, grads, fused)
+    def recorded(self, b, grads, fused=False, **kw):
+        grad, source = source_of(self, b, grads, fused, **kw)
         sources.append(type(source))
         return grad, source
 
@@ -160,8 +160,8 @@ def test_conv_gradients_are_read_in_place_with_the_copy_paths_weights(monkeypatc
     weights are bitwise those of training with the gradient copied into grad_buf."""
     sources, source_of = [], MXNetFramework.gradient
 
-    def recorded(self, b, grads, fused=False):
-        grad, source = source_of(self, b, grads, fused)
+    def recorded(self, b, grads, fused=False, **kw):
+        grad, source = source_of(self, b, grads, fused, **kw)
         sources.append((b.shape, type(source)))
         return grad, source
 
@@ -169,7 +169,8 @@ def test_conv_gradients_are_read_in_place_with_the_copy_paths_weights(monkeypatc
     in_place = th.in_threads(2, _conv_worker)
     assert ((8, 3, 3, 3), ArrayInPlace) in sources
     monkeypatch.setattr(MXNetFramework, "gradient",
-                        lambda self, b, grads, fused=False: source_of(self, b, grads, False))
+                        lambda self, b, grads, fused=False, **kw: source_of(self, b, grads, False,
+                                                                           **kw))
     copied = th.in_threads(2, _conv_worker)
     for (a_w, stats), (b_w, _) in zip(in_place, copied):
         assert stats["compressed_transfers"] > 0
@@ -181,7 +182,7 @@ def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
     """Should a gradient read in place turn up in MKLDNN's layout, the operator refuses it
     (LayoutError through DLPack) and every worker's next wait raises it: nothing is sent
     from a relaid array and no weight is updated."""
-    from slimgc_mx.offload import PipelineError
+    from slimgc_mx.engine.offload import PipelineError
     from slimgc_mx.mxnet.buffers import LayoutError
 
     size = 3000

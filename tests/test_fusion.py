@@ -7,10 +7,10 @@ from mxnet import gluon
 
 import slimgc_mx
 import training_helpers as th
-from slimgc_mx.grad_buf import KeyBuffers
+from slimgc_mx.engine.grad_buf import KeyBuffers
 from slimgc_mx.mxnet.kvstore import SlimGC
-from slimgc_mx.planner import FusedRoute
-from slimgc_mx.cttab import CTTab
+from slimgc_mx.engine.planner import FusedRoute
+from slimgc_mx.engine.cttab import CTTab
 from slimgc_mx.mxnet.buffers import Buffer
 from slimgc_mx.transport.keys import FUSED_BASE as FUSED_KEY_BASE
 from slimgc_mx.transport.keys import WireKeys
@@ -152,7 +152,7 @@ def test_direct_pushes_of_part_of_a_bucket_are_sent_when_a_key_comes_again():
 
 
 def test_nan_in_a_fused_bucket_fails_every_worker_without_updating_any_member():
-    from slimgc_mx.offload import NonFiniteAggregateError, PipelineError
+    from slimgc_mx.engine.offload import NonFiniteAggregateError, PipelineError
 
     sizes = (3, 4, 5)
 

@@ -94,7 +94,7 @@ def test_dgc_memory_and_warmup_step_survive_a_checkpoint(tmp_path):
 
 
 def test_randomk_below_half_with_momentum_is_warned_about(monkeypatch):
-    from slimgc_mx import planner
+    from slimgc_mx.engine import planner
     monkeypatch.setattr(planner, "_ADVISED", set())
     kv = SlimGC(compressor="randomk", ratio=0.1, backup=False)
     with pytest.warns(UserWarning, match="codec 'randomk': ratio=0.1 with optimizer momentum 0.9"):

@@ -3,8 +3,8 @@ model's offload=False) is asked for it before the host reads or writes b.residua
 import numpy as np
 
 from slimgc_mx import codecs
-from slimgc_mx.grad_buf import KeyBuffers
-from slimgc_mx.offload import _flush_residual
+from slimgc_mx.engine.grad_buf import KeyBuffers
+from slimgc_mx.engine.offload import _flush_residual
 from slimgc_mx.transport.host import HostBuffer
 
 

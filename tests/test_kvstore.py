@@ -20,10 +20,10 @@ from codec_contract import combine
 from slimgc_mx import codecs
 from slimgc_mx.mxnet import sgd
 from slimgc_mx.codecs.rng import key_seed
-from slimgc_mx.backup import BackupTimeout
+from slimgc_mx.engine.backup import BackupTimeout
 from slimgc_mx.mxnet.kvstore import SlimGC
-from slimgc_mx.offload import PipelineError
-from slimgc_mx.cttab import NEVER
+from slimgc_mx.engine.offload import PipelineError
+from slimgc_mx.engine.cttab import NEVER
 from slimgc_mx import env
 from slimgc_mx.mxnet.dist import BIGARRAY_BOUND
 from slimgc_mx.transport import LocalTransport, ThreadGroup
@@ -229,7 +229,7 @@ def test_cttab_warmup_picks_a_threshold_between_small_and_large_tensors():
 
 def test_every_worker_adopts_rank0s_threshold(monkeypatch):
     """Workers that would choose differently still agree: rank 0's BestCT is broadcast."""
-    from slimgc_mx import cttab
+    from slimgc_mx.engine import cttab
 
     def per_thread_choice(rows, rule="fit", margin=0.0):
         return 4096 if threading.current_thread().name.endswith("0") else 8
@@ -325,7 +325,7 @@ def test_stuck_transfer_times_out_in_the_training_thread():
     ("off", "float64"), ("off", "float32"),  # compressed route, float64 / float32 lanes
     (1 << 40, "auto")])  # full-precision route
 def test_nan_on_one_worker_fails_every_worker_without_updating(comm_threshold, lane_dtype):
-    from slimgc_mx.offload import NonFiniteAggregateError
+    from slimgc_mx.engine.offload import NonFiniteAggregateError
 
     size = 50
 
@@ -402,7 +402,7 @@ def test_backup_local_update_checks_the_gradient_for_the_encoder(name, options):
     local update's count of NaN/Inf and skips its pre-check. A NaN fails every worker
     without updating the weights; the fused pass has written the residual of that step
     (NaN where the gradient was), the separate encoder never ran."""
-    from slimgc_mx.offload import NonFiniteAggregateError
+    from slimgc_mx.engine.offload import NonFiniteAggregateError
 
     size = 3000
     fused = name == "2bit"
@@ -524,7 +524,7 @@ def test_loading_a_foreign_or_mismatched_checkpoint_is_refused(tmp_path):
 
 def test_keys_enter_the_pipeline_as_their_gradients_become_ready(monkeypatch):
     """Key 0's gradient is still being computed by the engine; key 1 goes first."""
-    from slimgc_mx.offload import Pipeline
+    from slimgc_mx.engine.offload import Pipeline
 
     order = []
     original = Pipeline._encode
@@ -549,7 +549,7 @@ def test_keys_enter_the_pipeline_as_their_gradients_become_ready(monkeypatch):
 
 
 def test_consistency_audit_names_the_first_diverging_parameter():
-    from slimgc_mx.agreement import WeightDivergenceError
+    from slimgc_mx.engine.agreement import WeightDivergenceError
 
     def worker(rank, transport):
         kv = SlimGC(transport=transport, compressor="none", backup=False, audit_every=1)
@@ -636,7 +636,7 @@ def test_naive_engine_trains_the_same_weights():
 
 # ---------------------------------------------------------------- MXNet's semantics, clear errors
 def test_workers_with_different_optimizer_settings_are_stopped_at_start():
-    from slimgc_mx.agreement import ConfigMismatchError
+    from slimgc_mx.engine.agreement import ConfigMismatchError
 
     def worker(rank, transport):
         kv = SlimGC(transport=transport, compressor="2bit", backup=False)
@@ -693,7 +693,7 @@ def test_a_key_leaving_the_compressed_route_sends_its_residual():
 
 @pytest.mark.parametrize("comm_threshold", ["off", 1 << 40])  # compressed route, fp route
 def test_a_nan_is_traced_to_the_worker_that_sent_it(comm_threshold):
-    from slimgc_mx.offload import NonFiniteAggregateError
+    from slimgc_mx.engine.offload import NonFiniteAggregateError
 
     def worker(rank, transport):
         kv = SlimGC(transport=transport, compressor="2bit", comm_threshold=comm_threshold,

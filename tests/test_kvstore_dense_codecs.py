@@ -10,7 +10,7 @@ import slimgc_mx
 import training_helpers as th
 from codec_contract import make, push
 from slimgc_mx.mxnet.kvstore import SlimGC
-from slimgc_mx.offload import NonFiniteAggregateError, PipelineError
+from slimgc_mx.engine.offload import NonFiniteAggregateError, PipelineError
 
 
 @pytest.mark.parametrize("name, options", [("randomk", {"ratio": 0.05}), ("powersgd", {}),

@@ -1,4 +1,4 @@
-"""lane_dtype: float64 lanes carried as float32 lanes (slimgc_mx/lanes32.py)."""
+"""lane_dtype: float64 lanes carried as float32 lanes (slimgc_mx/engine/lanes32.py)."""
 import json
 import sys
 
@@ -7,8 +7,8 @@ import pytest
 
 from slimgc_mx import codecs
 from slimgc_mx.codecs.base import kernels
-from slimgc_mx.config import SlimGCConfig
-from slimgc_mx.lanes32 import (Lanes32Layout, fallback_warning, join_reference,
+from slimgc_mx.engine.config import SlimGCConfig
+from slimgc_mx.engine.lanes32 import (Lanes32Layout, fallback_warning, join_reference,
                                split_reference)
 
 LANE_CODECS = ["1bit", "2bit", "4bit", "terngrad", "qsgd", "thc"]
@@ -172,7 +172,7 @@ def test_auto_switches_every_worker_when_a_server_is_inexact(caplog):
         kv.close()
         return chosen, out.asnumpy()
 
-    with caplog.at_level("WARNING", logger="slimgc_mx.lanes32"):
+    with caplog.at_level("WARNING", logger="slimgc_mx.engine.lanes32"):
         results = th.in_threads(2, worker)
     assert [r[0] for r in results] == [True, True]
     assert np.array_equal(results[0][1], results[1][1])

@@ -56,7 +56,7 @@ def _mxnet_imports(path):
 
 def test_only_mxnets_adapter_and_the_experiments_import_mxnet():
     modules = _package_modules()
-    assert "slimgc_mx.aggregator" in modules and "slimgc_mx.transport.base" in modules
+    assert "slimgc_mx.engine.aggregator" in modules and "slimgc_mx.transport.base" in modules
     assert not any(m.split(".")[1:2] in (["mxnet"], ["bench"]) for m in modules)
     found = {os.path.relpath(path, ROOT): lines for path in modules.values()
              if (lines := _mxnet_imports(path))}
@@ -137,3 +137,116 @@ def test_hooks_are_installed_once():
                 "m._create_kvstore.wrapped.__module__)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True", "mxnet.model"]
+
+
+# ---------------------------------------------------------------- the house's layers
+#: Each layer imports only from layers below it: kernels <- codecs <- engine <- adapters
+#: <- experiments; the launcher and the shared utilities sit beside them.
+LAYER = {"codecs": 1, "transport": 1, "engine": 2, "mxnet": 3, "torch": 3, "bench": 4}
+UTILITIES = {"env", "notice", "trace", "shutdown", "dataio", "resume", "run"}
+
+
+def _internal_imports(path, dotted):
+    """The slimgc_mx modules that the module `dotted` at `path` imports, at any depth of
+    its code (function-level imports too), absolute or relative."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    package = dotted.split(".") if path.endswith("__init__.py") else dotted.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("slimgc_mx"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if not module.startswith("slimgc_mx"):
+                continue
+            found.add(module)
+            found.update(module + "." + a.name for a in node.names)
+    return found
+
+
+def _graph():
+    """{module: set of package modules it imports} over the whole package."""
+    modules = {}
+    for root, dirs, files in os.walk(os.path.join(ROOT, "slimgc_mx")):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        rel = os.path.relpath(root, ROOT).replace(os.sep, "/")
+        for name in files:
+            if name.endswith(".py"):
+                dotted = (rel + "/" + name[:-3]).replace("/", ".")
+                if name == "__init__.py":
+                    dotted = dotted[:-len(".__init__")]
+                modules[dotted] = os.path.join(root, name)
+    return {m: {t for t in _internal_imports(p, m) if t in modules and t != m}
+            for m, p in modules.items()}
+
+
+def _layer(module):
+    parts = module.split(".")
+    if len(parts) == 1:
+        return 0  # the front door
+    return LAYER.get(parts[1], 0 if parts[1] in UTILITIES or parts[1] == "launch" else 3)
+
+
+def test_imports_run_down_the_layers():
+    graph = _graph()
+    assert "slimgc_mx.engine.aggregator" in graph and "slimgc_mx.torch.optimizer" in graph
+    upward = []
+    for module, targets in graph.items():
+        for target in targets:
+            if module == "slimgc_mx" and target == "slimgc_mx.mxnet.hooks":
+                continue  # the registration hook of the front door
+            if _layer(target) > _layer(module) and not target.startswith(module + "."):
+                upward.append("%s -> %s" % (module, target))
+    assert upward == [], "imports that run back up the layers: %s" % upward
+
+
+def test_the_engine_knows_no_framework_and_the_launcher_no_library():
+    graph = _graph()
+    for module, targets in graph.items():
+        if module.startswith("slimgc_mx.engine"):
+            bad = [t for t in targets if t.split(".")[1:2] in (["mxnet"], ["torch"], ["bench"])]
+            assert bad == [], "%s reaches into %s" % (module, bad)
+        if module.startswith("slimgc_mx.launch"):
+            bad = [t for t in targets if not t.startswith(("slimgc_mx.launch", "slimgc_mx.env",
+                                                           "slimgc_mx.run"))
+                   and t != "slimgc_mx"]
+            assert bad == [], "%s imports %s (the launcher needs the standard library only)" % (
+                module, bad)
+        if module.startswith("slimgc_mx.mxnet"):
+            assert not any(t.startswith("slimgc_mx.torch") for t in targets), module
+        if module.startswith("slimgc_mx.torch"):
+            assert not any(t.startswith("slimgc_mx.mxnet") for t in targets), module
+
+
+def test_no_import_circles():
+    graph = _graph()
+    # a package's __init__ importing its own modules is no circle
+    edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in graph.items()}
+    circles, state = [], {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert circles == [], "import circles: %s" % circles
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("def f():\n    from ..torch import optimizer\n")
+    assert _internal_imports(str(path), "slimgc_mx.engine.x") >= {"slimgc_mx.torch",
+                                                                  "slimgc_mx.torch.optimizer"}
+    assert _layer("slimgc_mx.torch.optimizer") > _layer("slimgc_mx.engine.x")

@@ -8,7 +8,7 @@ from codec_contract import assert_same, gradient
 from slimgc_mx import codecs
 from slimgc_mx.bench import shapes
 from slimgc_mx.codecs.gcomp import MAX_PIECES, layout
-from slimgc_mx.grad_buf import KeyBuffers
+from slimgc_mx.engine.grad_buf import KeyBuffers
 from slimgc_mx.transport.host import HostBuffer
 
 N = 4

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from slimgc_mx.config import SlimGCConfig
-from slimgc_mx.cttab import CTTab
+from slimgc_mx.engine.config import SlimGCConfig
+from slimgc_mx.engine.cttab import CTTab
 
 torch = pytest.importorskip("torch")
 
@@ -50,7 +50,7 @@ def test_offload_option_accepts_auto_only_as_a_word():
 
 
 def _worker(rank, transport, places, steps=9):
-    from slimgc_mx.aggregator import Aggregator
+    from slimgc_mx.engine.aggregator import Aggregator
     from slimgc_mx.torch.framework import TorchFramework
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (3000, 70000)]

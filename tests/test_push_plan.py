@@ -9,13 +9,13 @@ import pytest
 
 import numpy_engine
 from slimgc_mx import codecs
-from slimgc_mx.config import SlimGCConfig
-from slimgc_mx.grad_buf import FusedEncode, Push
-from slimgc_mx.offload import Pipeline, Transfer
-from slimgc_mx.planner import Planner
-from slimgc_mx.push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
+from slimgc_mx.engine.config import SlimGCConfig
+from slimgc_mx.engine.grad_buf import FusedEncode, Push
+from slimgc_mx.engine.offload import Pipeline, Transfer
+from slimgc_mx.engine.planner import Planner
+from slimgc_mx.engine.push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
                                  FINITE_IN_RANGE, FULL, LOCAL_UPDATE, PIECES, UPDATE, Plan)
-from slimgc_mx.cttab import CTTab
+from slimgc_mx.engine.cttab import CTTab
 from slimgc_mx.transport import HostBuffer, ThreadGroup
 from thread_workers import in_threads
 
@@ -48,8 +48,8 @@ def _plans(monkeypatch, config, steps=3, piece_bytes=0, optimizer=True):
 
 def _sums(transport, w0, grads, rank, config):
     """No optimizer: every push is a plain sum over the workers."""
-    from slimgc_mx.aggregator import Aggregator
-    from slimgc_mx.numpy_backend import NumpyFramework
+    from slimgc_mx.engine.aggregator import Aggregator
+    from slimgc_mx.engine.numpy_backend import NumpyFramework
     agg = Aggregator(SlimGCConfig(**config, threshold=0.05), transport,
                      framework=NumpyFramework())
     for k, w in enumerate(w0):

@@ -21,7 +21,7 @@ import pytest
 from mxnet import gluon
 
 from slimgc_mx import codecs
-from slimgc_mx.agreement import ConfigMismatchError
+from slimgc_mx.engine.agreement import ConfigMismatchError
 from slimgc_mx.mxnet.kvstore import SlimGC
 from slimgc_mx.env import SERVER_ENV
 from slimgc_mx.transport import LocalTransport, ThreadGroup

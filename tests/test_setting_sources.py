@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from slimgc_mx import notice
-from slimgc_mx.config import SlimGCConfig
+from slimgc_mx.engine.config import SlimGCConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import numpy_engine
-from slimgc_mx.step_clip import ClipRound, StepClip, power_sum
+from slimgc_mx.engine.step_clip import ClipRound, StepClip, power_sum
 from slimgc_mx.transport import HostBuffer
 
 

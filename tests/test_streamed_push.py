@@ -7,9 +7,9 @@ import pytest
 import training_helpers as th
 from slimgc_mx import codecs
 from slimgc_mx.codecs.base import kernels
-from slimgc_mx.grad_buf import FusedEncode, GradCheck, KeyBuffers, nonfinite_sender, \
+from slimgc_mx.engine.grad_buf import FusedEncode, GradCheck, KeyBuffers, nonfinite_sender, \
     stream_pieces
-from slimgc_mx.offload import NonFiniteAggregateError, PipelineError
+from slimgc_mx.engine.offload import NonFiniteAggregateError, PipelineError
 from slimgc_mx.mxnet.buffers import Buffer
 from slimgc_mx.transport import piece_bounds
 

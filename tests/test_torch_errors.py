@@ -68,7 +68,7 @@ def test_dgc_refuses_the_optimizers_momentum():
 
 
 def test_randomk_below_half_with_the_optimizers_momentum_is_warned_about(monkeypatch):
-    from slimgc_mx import planner
+    from slimgc_mx.engine import planner
     monkeypatch.setattr(planner, "_ADVISED", set())
     model = net()
     with pytest.warns(UserWarning, match="ratio=0.1 with optimizer momentum 0.9.*ratio >= 0.5"):

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.codecs.base import kernels  # noqa: E402
-from slimgc_mx.sgd_rule import torch_sgd_reference  # noqa: E402
+from slimgc_mx.engine.sgd_rule import torch_sgd_reference  # noqa: E402
 from slimgc_mx.torch.framework import (StepSettings, TorchUpdate, host_buffer,  # noqa: E402
                                        tensor_of)
 
@@ -157,7 +157,7 @@ def test_the_local_step_fused_into_the_encoder_is_the_kernels_step_bitwise():
 def test_a_fused_push_encodes_in_the_local_updates_pass():
     """TorchLocalUpdate on a CPU model with SGD hands the encoder the kernel's local step
     and the gradient in place; without an encoder it counts the gradient's NaN/Inf."""
-    from slimgc_mx.grad_buf import GradCheck
+    from slimgc_mx.engine.grad_buf import GradCheck
     from slimgc_mx.torch.framework import TorchLocalUpdate
     shape = (13, 7)
     gen, glo, param, opt, update = _setup(shape, 1e-3, 0.9, False, 0.0)

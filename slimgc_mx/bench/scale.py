@@ -25,9 +25,9 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import codecs
-from ..config import PIECE_BYTES, SlimGCConfig
+from ..engine.config import PIECE_BYTES, SlimGCConfig
 from ..launch.netns import DELAY_PATTERN, rate_bits
-from ..cttab import NEVER, CTTab
+from ..engine.cttab import NEVER, CTTab
 from . import shapes
 
 DESCRIPTION = "cost model of a training step at 8-256 workers: tabulate, validate, plot"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
+from .errors import LaunchError
 from .runners import Runner, local_argv
 
 NS_PREFIX = "slimgc-"           # every namespace the launcher creates starts with this
@@ -175,7 +176,6 @@ class NetnsCluster:
 def cluster_for(args):
     """The NetnsCluster of a `--launcher netns` job, after checking that this machine can
     make one; a LaunchError says why not."""
-    from .plan import LaunchError
     if args.bandwidth and not RATE_PATTERN.match(args.bandwidth):
         raise LaunchError("--bandwidth %r: expected a tc rate such as 1gbit, 10gbit, 100mbit, "
                           "or none" % args.bandwidth)

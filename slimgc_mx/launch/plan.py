@@ -12,17 +12,10 @@ from typing import Dict, List, Optional, Tuple
 
 from ..env import (ENGINE_THREADS_VAR, LAUNCH_INDEX_VAR, SERVER_ENV, TERMINAL_VAR,
                    WORKER_ENGINE_THREADS, available_cpus)
+from .errors import LaunchError, StartError
 from .runners import LocalRunner, Runner, SshRunner
 
 log = logging.getLogger("slimgc_mx.launch")
-
-
-class LaunchError(Exception):
-    """A problem with the options or the environment, reported as a usage error (exit 2)."""
-
-
-class StartError(Exception):
-    """A task's command could not be started at all (exit 127, as a shell does)."""
 
 
 # ---------------------------------------------------------------- option parsing helpers

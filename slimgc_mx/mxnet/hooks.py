@@ -7,13 +7,8 @@ register() runs once MXNet is imported and slimgc_mx too (see slimgc_mx/__init__
     name without 'dist' when there is one device, and Trainer or Module would train alone;
   - makes gluon.Trainer refuse sparse gradients for these names with a TypeError naming
     the parameters, before MXNet's own message about multi-device training.
-install() runs when the first SlimGC store is created:
-  - gluon.Trainer's reduction: after MXNet's pushes of a step, the store sends the fused
-    buckets still waiting for parameters that were not pushed (send_pending);
-  - Module: before it reads its parameters back (get_params, save_checkpoint, the
-    epoch-end callback) or runs an inference forward pass (score, predict), the store
-    writes the global weights into them; during training they hold loc_buf.
-All are idempotent and change nothing for other kvstores.
+kvstore.install() runs when the first SlimGC store is created (Trainer's end-of-step hook,
+Module's global-weight reads). All are idempotent and change nothing for other kvstores.
 """
 import sys
 import threading
@@ -115,42 +110,3 @@ def _refuse_sparse_gradients():
         init_kvstore(trainer)
 
     trainer_mod.Trainer._init_kvstore = _init_kvstore
-
-
-def install():
-    """Trainer's end-of-step hook and Module's global-weight reads (idempotent)."""
-    if not _once("install"):
-        return
-    import mxnet.gluon.trainer as trainer_mod
-    import mxnet.module.module as module_mod
-
-    from .kvstore import SlimGC
-    allreduce = trainer_mod.Trainer._allreduce_grads
-
-    def _allreduce_grads(trainer):
-        """MXNet's loop of pushes, then SlimGC sends what its fused buckets hold."""
-        allreduce(trainer)
-        if isinstance(trainer._kvstore, SlimGC):
-            trainer._kvstore.send_pending()
-
-    trainer_mod.Trainer._allreduce_grads = _allreduce_grads
-
-    module = module_mod.Module
-    sync_params = module._sync_params_from_devices
-    forward = module.forward
-
-    def _sync_params_from_devices(mod):
-        """Module reads its parameters back: the global weights, not this worker's loc_buf."""
-        if isinstance(mod._kvstore, SlimGC):
-            mod._kvstore.flush_local()
-        sync_params(mod)
-
-    def _forward(mod, data_batch, is_train=None):
-        """An inference forward pass (score, predict) runs on the global weights."""
-        training = mod.for_training if is_train is None else is_train
-        if not training and isinstance(mod._kvstore, SlimGC):
-            mod._kvstore.flush_local()
-        return forward(mod, data_batch, is_train)
-
-    module._sync_params_from_devices = _sync_params_from_devices
-    module.forward = _forward

@@ -8,16 +8,18 @@ hooks.register(). Its semantics are dist_sync's: without an optimizer a push
 makes the sum over workers the key's value; with one, the updated weights.
 """
 import logging
+import threading
 
 import mxnet as mx
 from mxnet.kvstore import KVStoreBase
 
-from .. import checkpoint, codecs, env, shutdown
-from ..aggregator import Aggregator, report
-from ..planner import check_momentum
-from ..config import SlimGCConfig
-from ..transport import create_transport
-from . import hooks
+from .. import codecs, env, shutdown
+from ..engine import checkpoint
+from ..engine.aggregator import Aggregator, report
+from ..engine.planner import check_momentum
+from ..engine.config import SlimGCConfig
+from ..transport import LocalTransport
+from .framework import MXNetFramework
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,8 @@ class SlimGC(KVStoreBase):
     (MXNet dist_sync when launched as a worker, else in-process).
     """
 
+    is_slimgc = True  # what slimgc_mx.flush() looks for (it imports no adapter)
+
     def __init__(self, transport=None, **options):
         self._options = dict(options)  # the script's explicit parameters (configuration.md)
         self.config = SlimGCConfig.from_sources(options)
@@ -39,7 +43,7 @@ class SlimGC(KVStoreBase):
         self._transport = transport
         self._agg = None  # Aggregator, built when the first key is initialized
         self._optimizer = None  # the Trainer's optimizer (it sets lr / rescale_grad on it)
-        hooks.install()
+        install()
         shutdown.track(self)
 
     # -- KVStoreBase properties ------------------------------------------------------------
@@ -65,7 +69,7 @@ class SlimGC(KVStoreBase):
 
     def _ensure_transport(self):
         if self._transport is None:
-            self._transport = create_transport(timeout=self.config.timeout,
+            self._transport = _create_transport(timeout=self.config.timeout,
                                                piece_bytes=self.config.piece_bytes)
         return self._transport
 
@@ -75,7 +79,7 @@ class SlimGC(KVStoreBase):
         if self._agg is None and key is not None:
             raise KeyError("key %r was not initialized (call init or broadcast first)" % (key,))
         if self._agg is None:
-            self._agg = Aggregator(self.config, self._ensure_transport(),
+            self._agg = Aggregator(self.config, self._ensure_transport(), MXNetFramework(),
                                    compress_sums=self._compressor_chosen)
             if self._optimizer is not None:
                 self._agg.set_optimizer(self._optimizer)
@@ -268,3 +272,61 @@ def _triples(key, value, out):
             raise ValueError("keys, values and outs differ in length")
         return list(zip(key, value, outs))
     return [(key, value, out)]
+
+
+def _create_transport(timeout=None, piece_bytes=0):
+    """MXNet dist_sync when this process was launched as a worker, else in-process."""
+    if env.launched_as_worker():
+        from .dist import DistTransport
+        return DistTransport(timeout=timeout, piece_bytes=piece_bytes)
+    return LocalTransport()
+
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def install():
+    """When the first store is created (idempotent; nothing changes for other kvstores):
+    gluon.Trainer's reduction, after MXNet's pushes of a step, sends the fused buckets
+    still waiting for parameters that were not pushed (send_pending); Module, before it
+    reads its parameters back (get_params, save_checkpoint, the epoch-end callback) or
+    runs an inference forward pass (score, predict), gets the global weights written into
+    them (during training they hold loc_buf)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _installed = True
+    import mxnet.gluon.trainer as trainer_mod
+    import mxnet.module.module as module_mod
+
+    allreduce = trainer_mod.Trainer._allreduce_grads
+
+    def _allreduce_grads(trainer):
+        """MXNet's loop of pushes, then SlimGC sends what its fused buckets hold."""
+        allreduce(trainer)
+        if isinstance(trainer._kvstore, SlimGC):
+            trainer._kvstore.send_pending()
+
+    trainer_mod.Trainer._allreduce_grads = _allreduce_grads
+
+    module = module_mod.Module
+    sync_params = module._sync_params_from_devices
+    forward = module.forward
+
+    def _sync_params_from_devices(mod):
+        """Module reads its parameters back: the global weights, not this worker's loc_buf."""
+        if isinstance(mod._kvstore, SlimGC):
+            mod._kvstore.flush_local()
+        sync_params(mod)
+
+    def _forward(mod, data_batch, is_train=None):
+        """An inference forward pass (score, predict) runs on the global weights."""
+        training = mod.for_training if is_train is None else is_train
+        if not training and isinstance(mod._kvstore, SlimGC):
+            mod._kvstore.flush_local()
+        return forward(mod, data_batch, is_train)
+
+    module._sync_params_from_devices = _sync_params_from_devices
+    module.forward = _forward

@@ -16,7 +16,7 @@ from functools import partial
 import mxnet as mx
 import numpy as np
 
-from .. import sgd_rule
+from ..engine import sgd_rule
 from ..env import check_num_threads
 from .buffers import Buffer, wait_to_write
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
-from .. import sgd_rule
+from ..engine import sgd_rule
 from ..codecs import OptimizerView
 from . import sgd
 from .buffers import copy_array

@@ -6,7 +6,7 @@ norm over all parameters (step_clip.py), where the aggregation computes it.
 """
 import torch
 
-from ..step_clip import EPS, check_max_norm, check_norm_type
+from ..engine.step_clip import EPS, check_max_norm, check_norm_type
 
 
 def clip_grad_norm_(optimizer, max_norm, norm_type=2.0):

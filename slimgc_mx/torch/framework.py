@@ -15,7 +15,7 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from .. import sgd_rule
+from ..engine import sgd_rule
 from ..codecs.base import kernels
 from ..env import check_num_threads
 from ..transport.host import HostBuffer, HostReadiness

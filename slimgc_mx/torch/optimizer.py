@@ -14,10 +14,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint
-from ..aggregator import Aggregator
-from ..planner import check_momentum
-from ..config import SlimGCConfig
+from ..engine import checkpoint
+from ..engine.aggregator import Aggregator
+from ..engine.planner import check_momentum
+from ..engine.config import SlimGCConfig
 from ..transport.local import LocalTransport
 from .collective import TorchTransport
 from .framework import TorchFramework
@@ -297,7 +297,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Bytes, times and the CTTab's decision, as the MXNet kvstore's stats(); and the last
         step()'s own seconds (step_s) and, for a device model, what its copies moved
         (step_copies: h2d_bytes, d2h_bytes, pageable_bytes, host_syncs; None otherwise)."""
-        from ..aggregator import report
+        from ..engine.aggregator import report
         out = report(self._agg, self._agg.config.compressor, 0)
         seconds, counts = self._last_step
         out["step_s"] = seconds

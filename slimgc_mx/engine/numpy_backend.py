@@ -15,9 +15,9 @@ from typing import Optional
 import numpy as np
 
 from . import sgd_rule
-from .codecs import OptimizerView
-from .env import check_num_threads
-from .transport.host import HostArrays, HostBuffer, HostReadiness
+from ..codecs import OptimizerView
+from ..env import check_num_threads
+from ..transport.host import HostArrays, HostBuffer, HostReadiness
 
 
 @dataclasses.dataclass

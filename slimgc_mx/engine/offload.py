@@ -28,8 +28,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from .codecs import NonFiniteGradientError
-from .codecs.base import kernels
+from ..codecs import NonFiniteGradientError
+from ..codecs.base import kernels
 from .grad_buf import GradCheck, Push, mark_nonfinite, nonfinite_sender
 from .push_plan import (DEVICE, ENCODER, FINISHER, FINITE_IN_RANGE, LOCAL_UPDATE, PIECES,
                         Plan)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codecs.base import kernels
+from ..codecs.base import kernels
 from .push_plan import UPDATE
 
 

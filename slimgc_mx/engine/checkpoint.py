@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from . import dataio
+from .. import dataio
 
 FORMAT = "slimgc-checkpoint"
 VERSION = 2

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import env
-from .codecs.base import check_num_workers, kernels
-from .codecs.lanes import LaneCodec, lane_geometry
+from .. import env
+from ..codecs.base import check_num_workers, kernels
+from ..codecs.lanes import LaneCodec, lane_geometry
 
 #: Largest integer below which every integer is exact in float32.
 EXACT_LIMIT_32 = 2 ** 24

@@ -25,14 +25,14 @@ import warnings
 
 import numpy as np
 
-from .codecs.rng import key_seed
+from ..codecs.rng import key_seed
 from .grad_buf import GradCheck, KeyBuffers, Push, WireRound, add_lanes32, stream_pieces
 from .offload import Transfer
 from .push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
                         FINITE_IN_RANGE, FULL_BUCKET_PLAN, FULL_PLAN, FULL_SERIAL_PLAN,
                         LOCAL_UPDATE, PIECES, UPDATE, Plan)
 from .cttab import format_bytes
-from .transport.keys import KeyWire
+from ..transport.keys import KeyWire
 
 log = logging.getLogger(__name__)
 

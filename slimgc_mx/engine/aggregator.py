@@ -17,7 +17,9 @@ from functools import partial
 
 import numpy as np
 
-from . import agreement, codecs, lanes32, notice, sgd_rule
+from .. import codecs, notice
+from . import agreement, lanes32, sgd_rule
+from .backend import Collective, Framework
 from .backup import ModelBackup
 from .grad_buf import FusedEncode, Push, mark_nonfinite
 from .offload import Pipeline, TransferStats
@@ -25,7 +27,7 @@ from .planner import Planner
 from .step_clip import StepClip
 from .push_plan import DEVICE, LOCAL_UPDATE, PIECES
 from .cttab import CTTab, NEVER
-from .trace import Trace
+from ..trace import Trace
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +35,11 @@ log = logging.getLogger(__name__)
 class Aggregator:
     """The keys of one worker and everything between their gradients and glo_buf."""
 
-    def __init__(self, config, transport, compress_sums=True, framework=None):
-        """compress_sums: whether pushes without an optimizer (plain sums) may be compressed;
-        the kvstore allows it only when the user chose a compressor. framework: the seams of
-        the framework whose arrays and optimizer it serves (default MXNet's)."""
-        if framework is None:
-            from .mxnet.framework import MXNetFramework
-            framework = MXNetFramework()
+    def __init__(self, config, transport: Collective, framework: Framework, compress_sums=True):
+        """framework: the seams of the framework whose arrays and optimizer it serves (an
+        adapter's, backend.Framework); compress_sums: whether pushes without an optimizer
+        (plain sums) may be compressed (the kvstore allows it only when the user chose a
+        compressor)."""
         self.framework = framework
         self.config = config
         self.transport = transport

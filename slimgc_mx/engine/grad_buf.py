@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from .codecs import NonFiniteGradientError
+from ..codecs import NonFiniteGradientError
 from .lanes32 import Lanes32Layout, uses_float64_lanes
 
 

@@ -12,7 +12,7 @@ import threading
 import warnings
 from typing import Optional, Union
 
-from . import codecs, env, notice
+from .. import codecs, env, notice
 from .lanes32 import LANE_DTYPES
 from .cttab import check_rule, load_decision
 

@@ -1,0 +1,191 @@
+"""The backend protocol: what SlimGC's engine needs of a framework (docs/backend.md).
+
+The engine (CTTab, planner, grad_buf/fp_buf/bit_buf pipeline, loc_buf/glo_buf backup,
+codecs, checkpoint) works on host arrays through these seams, each a Protocol here, and
+each framework is one adapter that implements them (slimgc_mx.mxnet, slimgc_mx.torch;
+numpy_backend.py on plain NumPy). This module imports neither framework, nor NumPy beyond
+typing.
+
+    HostArray     a CPU buffer the Cython codecs read and write through a NumPy view
+    Work          a collective in flight; wait() returns once its result is in place
+    Collective    sums of lanes, gathers, broadcast and small allgathers over the workers
+    Readiness     a callback per host array once the framework has written it
+    Arrays        the framework's own arrays <-> host arrays: copies in the framework's
+                  order and write holds
+    GlobalUpdate  the update rule on glo_buf: the optimizer's step with the summed gradient
+    LocalUpdate   the update rule on loc_buf: the same step with this worker's gradient
+    Framework     the adapter's object the Aggregator is built with: all of the above
+
+tests/test_backend_protocol.py checks every adapter's objects against them.
+"""
+from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class HostArray(Protocol):
+    """A CPU array with a flat NumPy view that the codecs and kernels use without the GIL.
+
+    for_read / for_write wait for the framework's pending writers (and, for writing, its
+    readers) of the same memory; held() does not wait, for code that already holds the
+    access (an operator of MXNet's engine, a fill under a write hold).
+    """
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def for_read(self) -> np.ndarray: ...
+
+    def for_write(self) -> np.ndarray: ...
+
+    def held(self) -> np.ndarray: ...
+
+    def view(self, offset: int, shape: Sequence[int]) -> "HostArray": ...
+
+
+@runtime_checkable
+class Work(Protocol):
+    """A collective in flight (MXNet: an engine pull; torch.distributed: its Work)."""
+
+    elapsed: Optional[float]  # an emulated link's modelled seconds, else None
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """Collectives over the job's workers, keyed by wire keys declared in the same order
+    on every worker. Each returns a Work at once; the training thread enforces timeouts."""
+
+    rank: int
+    num_workers: int
+    kind: str
+
+    def declare(self, wire_key: int, buf: HostArray) -> None: ...
+
+    def announce(self, wire_keys: Sequence[int]) -> None: ...
+
+    def push_pull(self, wire_key: int, send: HostArray, recv: HostArray, priority: int = 0,
+                  in_pieces: bool = False) -> Work: ...
+
+    def declare_gather(self, wire_key: int, send: HostArray, recv: HostArray) -> None: ...
+
+    def gather(self, wire_key: int, send: HostArray, recv: HostArray,
+               priority: int = 0) -> Work: ...
+
+    def broadcast(self, wire_key: int, buf: HostArray) -> None: ...
+
+    def allgather(self, values: Sequence[float]) -> np.ndarray: ...
+
+    def pieces(self, wire_key: int) -> Optional[Sequence[Tuple[int, int]]]: ...
+
+    def close(self, timeout: Optional[float] = None) -> bool: ...
+
+
+@runtime_checkable
+class Readiness(Protocol):
+    """Per array, a callback once the framework's pending writes of it are done, in
+    whichever order they finish (MXNet: an engine operator; a device model: the events of
+    every asynchronous copy into the array's memory, views included). The pipeline admits
+    a transfer through it. An optional `ordered = True` says callbacks come in the order
+    asked, so serial (warm-up) transfers wait here too; else they enter at once and the
+    array's own for_read() must wait for its writers."""
+
+    def when_readable(self, buf: HostArray, callback: Callable[[], None],
+                      priority: int = 0) -> None: ...
+
+
+@runtime_checkable
+class Arrays(Protocol):
+    """The framework's arrays as the engine sees them: host buffers and the framework's
+    array over one (`array`), copies queued in the framework's order (a gradient into
+    grad_buf, loc_buf or w_i into the parameters), and, where the framework runs
+    asynchronously, write holds that make its next reader wait for the global weights
+    without blocking the training thread."""
+
+    can_hold: bool  # (an optional loc_in_params = True: loc_buf is the parameter itself)
+
+    def new(self, shape: Sequence[int]) -> HostArray: ...
+
+    def array(self, buf: HostArray) -> Any: ...
+
+    def copy(self, src: Any, dst: Any) -> None: ...
+
+    def hold(self, buf: HostArray) -> Any: ...
+
+
+@runtime_checkable
+class GlobalUpdate(Protocol):
+    """glo_buf <- one step of the job's optimizer with the mean (sum / N) of a transfer's
+    summed gradients, on the aggregation thread, every worker alike (sgd_rule.py holds the
+    arithmetic shared by the adapters' SGD kernels).
+
+    The engine calls, per push on the training thread: settings(index) (the optimizer's
+    hyperparameters as the push sees them, carried by the transfer), decodes_in_update
+    (whether the kernel decodes a compressed sum inside the update) and codec_view; per
+    transfer on the finisher thread: prepare() then the update itself (__call__) with one
+    glo_buf per push; and state / check_state / load_state for checkpoints."""
+
+    optimizer: Any
+
+    def settings(self, index: int) -> Any: ...
+
+    def decodes_in_update(self, buffers: Any) -> bool: ...
+
+    def codec_view(self, index: int, glo: HostArray, settings: Any) -> Any: ...
+
+    def prepare(self, transfer: Any, num_workers: int) -> Any: ...
+
+    def __call__(self, transfer: Any, table: Any, glos: Sequence[HostArray]) -> None: ...
+
+    def state(self) -> Any: ...
+
+    def check_state(self, state: Any, where: str) -> None: ...
+
+    def load_state(self, state: Any, where: str) -> None: ...
+
+
+@runtime_checkable
+class LocalUpdate(Protocol):
+    """loc_buf (`out`) <- one step of the global rule from glo_buf with N times this worker's
+    gradient (model backup, Strategy 3), on the training thread, reading the global state
+    and writing none of it; `encoder` (grad_buf.FusedEncode) encodes bit_buf in the same
+    pass where `fused`; `check` (grad_buf.GradCheck) gets its NaN/Inf count."""
+
+    fused: bool
+
+    def __call__(self, index: int, grad: Any, glo: HostArray, out: Any, check: Any = None,
+                 encoder: Any = None) -> None: ...
+
+    def state(self) -> Any: ...
+
+    def load_state(self, state: Any, where: str) -> None: ...
+
+
+@runtime_checkable
+class Framework(Protocol):
+    """What an adapter gives the Aggregator: its Readiness and Arrays, host buffers, the
+    gradient of a push into grad_buf (or read in place), and the update rule's two halves."""
+
+    readiness: Readiness
+    arrays: Arrays
+    engine_where: str  # how a failure reported through on_error is named
+
+    def new_buffer(self, shape: Sequence[int], dtype: Any = ...) -> HostArray: ...
+
+    def on_error(self, callback: Callable[[BaseException, str], None]) -> None: ...
+
+    def device_codec(self, codec: Any) -> Any: ...
+
+    def weight(self, key: Any, value: Any) -> HostArray: ...
+
+    def gradient(self, b: Any, grads: Sequence[Any], fused: bool = False,
+                 device_encoded: bool = False) -> Tuple[Any, Any]: ...
+
+    def optimizer_settings(self, optimizer: Any, loc_optimizer: Any) -> dict: ...
+
+    def global_update(self, optimizer: Any, num_threads: Optional[int]) -> GlobalUpdate: ...
+
+    def local_updater(self, update: GlobalUpdate, num_workers: int,
+                      config: Any) -> LocalUpdate: ...
