@@ -95,3 +95,64 @@ off.write_back("w", 2, out)
 assert out[0].tolist() == [7, 7, 7] and off.version("w") == 2
 '''
     assert frameworks_loaded_by(code) == []
+
+
+# ---------------------------------------------------------------- every adapter's objects
+def _check_framework(framework, optimizer, config):
+    """{Protocol name: the members it lacks} over the adapter's framework object, its
+    Readiness and Arrays and its update rule's two halves; {} when all implement them."""
+    update = framework.global_update(optimizer, 1)
+    objects = [(framework, backend.Framework), (framework.readiness, backend.Readiness),
+               (framework.arrays, backend.Arrays), (update, backend.GlobalUpdate),
+               (framework.local_updater(update, 2, config), backend.LocalUpdate)]
+    out = {}
+    for obj, proto in objects:
+        absent = backend.missing(obj, proto)
+        if absent or not isinstance(obj, proto):
+            out[proto.__name__] = absent
+    return out
+
+
+def test_the_numpy_backend_implements_the_protocol():
+    from slimgc_mx.engine.config import SlimGCConfig
+    from slimgc_mx.engine.numpy_backend import SGD, NumpyFramework
+    assert _check_framework(NumpyFramework(), SGD(learning_rate=0.1), SlimGCConfig()) == {}
+
+
+def test_the_torch_adapter_implements_the_protocol():
+    torch = pytest.importorskip("torch")
+    from slimgc_mx.engine.config import SlimGCConfig
+    from slimgc_mx.torch.copies import DeferredCopies
+    from slimgc_mx.torch.framework import TorchFramework
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for copies in (None, DeferredCopies()):  # a host model, and a device model's seams
+        framework = TorchFramework(params, {0: 0}, 2, copies=copies)
+        assert _check_framework(framework, opt, SlimGCConfig()) == {}
+
+
+def test_the_mxnet_adapter_implements_the_protocol():
+    mx = pytest.importorskip("mxnet")
+    from slimgc_mx.engine.config import SlimGCConfig
+    from slimgc_mx.mxnet.framework import MXNetFramework
+    opt = mx.optimizer.SGD(learning_rate=0.1)
+    assert _check_framework(MXNetFramework(), opt, SlimGCConfig()) == {}
+
+
+def test_a_framework_missing_a_member_is_refused_by_name():
+    from slimgc_mx.engine.aggregator import Aggregator
+    from slimgc_mx.engine.config import SlimGCConfig
+    from slimgc_mx.engine.numpy_backend import NumpyFramework
+
+    class Misspelt(NumpyFramework):
+        gradient = None  # as if misspelt: not callable
+
+    class Lacking:
+        readiness = HostReadiness()
+        arrays = HostArrays()
+
+    with pytest.raises(TypeError, match="gradient"):
+        Aggregator(SlimGCConfig(), LocalTransport(), Misspelt())
+    with pytest.raises(TypeError, match="global_update.*local_updater|new_buffer"):
+        Aggregator(SlimGCConfig(), LocalTransport(), Lacking())
+    assert backend.missing(Lacking(), backend.Framework)[:2] == ["engine_where", "new_buffer"]

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import codecs, notice
 from . import agreement, lanes32, sgd_rule
+from . import backend
 from .backend import Collective, Framework
 from .backup import ModelBackup
 from .grad_buf import FusedEncode, Push, mark_nonfinite
@@ -40,6 +41,7 @@ class Aggregator:
         adapter's, backend.Framework); compress_sums: whether pushes without an optimizer
         (plain sums) may be compressed (the kvstore allows it only when the user chose a
         compressor)."""
+        backend.check(framework, Framework, "the framework object")
         self.framework = framework
         self.config = config
         self.transport = transport
@@ -101,6 +103,7 @@ class Aggregator:
         settings = self.framework.optimizer_settings(optimizer, self.config.loc_optimizer)
         agreement.check(self.transport, settings, what="optimizer settings")
         self.update = self.framework.global_update(optimizer, self.config.num_threads)
+        backend.check(self.update, backend.GlobalUpdate, "the framework's global update")
         self._local = None
 
     def name_of(self, key):
@@ -117,8 +120,9 @@ class Aggregator:
 
     def local_updater(self):
         if self._local is None:
-            self._local = self.framework.local_updater(self.update, self.num_workers,
-                                                       self.config)
+            local = self.framework.local_updater(self.update, self.num_workers, self.config)
+            backend.check(local, backend.LocalUpdate, "the framework's local update")
+            self._local = local
         return self._local
 
     def optimizer_state(self):

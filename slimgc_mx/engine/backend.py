@@ -18,7 +18,8 @@ typing.
 
 tests/test_backend_protocol.py checks every adapter's objects against them.
 """
-from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import (Any, Callable, Generic, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 import numpy as np
 
@@ -189,3 +190,28 @@ class Framework(Protocol):
 
     def local_updater(self, update: GlobalUpdate, num_workers: int,
                       config: Any) -> LocalUpdate: ...
+
+
+def missing(obj, proto):
+    """The members of Protocol `proto` that `obj` lacks (a method: not callable there), in
+    the order the Protocol declares them; [] when obj implements it."""
+    out = []
+    for klass in reversed(proto.__mro__):
+        if klass in (object, Protocol, Generic) or not getattr(klass, "_is_protocol", False):
+            continue
+        for name in getattr(klass, "__annotations__", {}):
+            if not hasattr(obj, name) and name not in out:
+                out.append(name)
+        for name, value in vars(klass).items():
+            if callable(value) and (not name.startswith("_") or name == "__call__"):
+                if not callable(getattr(obj, name, None)) and name not in out:
+                    out.append(name)
+    return out
+
+
+def check(obj, proto, what):
+    """Raise TypeError naming what `obj` (called `what`) lacks of `proto`."""
+    absent = missing(obj, proto)
+    if absent:
+        raise TypeError("%s (%s) does not implement backend.%s: it lacks %s (docs/backend.md)"
+                        % (what, type(obj).__name__, proto.__name__, ", ".join(absent)))

@@ -96,7 +96,14 @@ class SGDUpdate:
         return {"optimizer": dataclasses.asdict(self.optimizer),
                 "states": {i: m.for_read().copy() for i, m in self._momentum.items()}}
 
+    def check_state(self, state, where):
+        """Raise ValueError unless `state` (a state()) holds this optimizer's fields."""
+        if set(state.get("optimizer", {})) != set(dataclasses.asdict(self.optimizer)):
+            raise ValueError("%s holds the state of another optimizer than %s"
+                             % (where, type(self.optimizer).__name__))
+
     def load_state(self, state, where):
+        self.check_state(state, where)
         for name, value in state["optimizer"].items():
             setattr(self.optimizer, name, value)
         for index, values in state["states"].items():
@@ -126,7 +133,10 @@ class SGDLocalUpdate:
 
     @staticmethod
     def state():
-        return None
+        return None  # it reads the global state and keeps none of its own
+
+    def load_state(self, state, where):
+        pass
 
 
 class NumpyFramework:
