@@ -2,6 +2,7 @@
 before its copy's event, fused or not, in the warm-up or after it, and no event is left
 behind. copies.DeferredCopies stands in for a GPU's copies on CPU tensors: a copy fills its
 destination with NaN until the test releases it, so a read too early is seen."""
+import contextlib
 import threading
 import time
 
@@ -112,28 +113,38 @@ def test_no_buffer_is_read_early_without_fusion_or_backup():
         model = _model()
         opt = _optimizer(copies, model, compression="2bit", comm_threshold=4096, **options)
         spy = Spy(opt._transport)
-        stop = threading.Event()
-        lander = threading.Thread(target=_land_late, args=(copies, stop), daemon=True)
-        lander.start()
-        try:
-            for step in range(5):
-                _grads(model, step)
-                opt.step()
-            opt.flush()
-        finally:
-            stop.set()
-            lander.join()
+        with landing_late(copies):
+            _train(opt, model, 5)
         assert spy.torn == [] and spy.calls > 0, options
         assert opt._agg.framework.readiness.pending() == 0
         opt.close()
 
 
-def _land_late(copies, stop):
-    """Lands the copies queued, each a little late, until `stop`."""
-    while not stop.is_set():
-        time.sleep(0.01)
-        copies.release(1)
-    copies.release()
+@contextlib.contextmanager
+def landing_late(copies):
+    """While inside: a thread lands the copies queued, each a little late; all on exit."""
+    stop = threading.Event()
+
+    def land():
+        while not stop.is_set():
+            time.sleep(0.01)
+            copies.release(1)
+        copies.release()
+
+    lander = threading.Thread(target=land, daemon=True)
+    lander.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        lander.join()
+
+
+def _train(opt, model, steps):
+    for step in range(steps):
+        _grads(model, step)
+        opt.step()
+    opt.flush()
 
 
 def test_the_warmup_waits_for_its_copies_too():
@@ -142,17 +153,8 @@ def test_the_warmup_waits_for_its_copies_too():
     model = _model()
     opt = _optimizer(copies, model, compression="2bit", warmup_steps=4, backup=True)
     spy = Spy(opt._transport)
-    stop = threading.Event()
-    lander = threading.Thread(target=_land_late, args=(copies, stop), daemon=True)
-    lander.start()
-    try:
-        for step in range(7):
-            _grads(model, step)
-            opt.step()
-        opt.flush()
-    finally:
-        stop.set()
-        lander.join()
+    with landing_late(copies):
+        _train(opt, model, 7)
     assert opt.stats()["comm_threshold_phase"] == "trained"
     assert spy.torn == [] and spy.calls > 0
     assert opt._agg.framework.readiness.pending() == 0
@@ -208,17 +210,11 @@ def test_a_steady_step_copies_no_pageable_byte_and_does_not_wait_for_the_device(
     opt = Deferred(make(model.parameters()), model, compression="2bit", comm_threshold=4096,
                    backup=backup)
     nbytes = sum(4 * p.numel() for p in model.parameters())
-    lander = threading.Thread(target=_land_late, args=(copies, threading.Event()), daemon=True)
     for step in range(4):
         _grads(model, step)
-        if not backup:  # the step waits for its aggregation: land the copies meanwhile
-            stop = threading.Event()
-            lander = threading.Thread(target=_land_late, args=(copies, stop), daemon=True)
-            lander.start()
-        opt.step()
-        if not backup:
-            stop.set()
-            lander.join()
+        # without backup the step waits for its aggregation: land the copies meanwhile
+        with landing_late(copies) if not backup else contextlib.nullcontext():
+            opt.step()
         copies.release()
         counts = opt.stats()["step_copies"]
         assert opt.stats()["step_s"] > 0
