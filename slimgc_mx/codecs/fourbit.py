@@ -136,30 +136,16 @@ class FourBit(LaneCodec):
                                   local),
             grad, residual, out))
 
-    def device_levels(self, c, nd, const):
-        a = nd.abs(c)
-        idx = None
+    def device_levels(self, c, ops):
+        # the count of thresholds <= |c|, as the kernel's selects take it, picks the unit
+        a = ops.abs(c)
+        idx = 0
         for x in group_thresholds(self.group).tolist():
-            step = a >= x
-            idx = step if idx is None else idx + step
-        unit, offset = GROUP_UNITS[self.group], group_offset(self.group)
-        units = const("units", self.group,
-                      lambda: nd.array([u // unit for u in (0,) + GROUPS[self.group]],
-                                       ctx=c.context, dtype=np.float32))
-        u = nd.take(units, idx)
-        return nd.where(c < 0.0, offset - u, u + offset)
-
-    def torch_levels(self, c, torch, const):
-        # bucketize(right=True) counts the thresholds <= |c|, as the kernel's selects do.
-        group = self.group
-        thresholds = const("thresholds", group, lambda: torch.tensor(
-            group_thresholds(group).tolist(), dtype=torch.float32, device=c.device))
-        units = const("units", group, lambda: torch.tensor(
-            [u // GROUP_UNITS[group] for u in (0,) + GROUPS[group]], dtype=torch.int64,
-            device=c.device))
-        u = units[torch.bucketize(c.abs(), thresholds, right=True)]
-        offset = group_offset(group)
-        return torch.where(c < 0.0, offset - u, u + offset)
+            idx = idx + ops.level(a >= x)
+        group, offset = self.group, group_offset(self.group)
+        units = ops.table("units", group, [u // GROUP_UNITS[group] for u in (0,) + GROUPS[group]])
+        u = ops.take(units, idx)
+        return ops.where(c < 0.0, offset - u, u + offset)
 
     def device_statistic(self, grad, compensated):
         return grad

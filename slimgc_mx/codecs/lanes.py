@@ -13,8 +13,8 @@ decode() updates every worker's state alike.
 
 LaneCodec drives the compiled kernels; LaneReference is the NumPy implementation of
 the same arithmetic, bitwise equal, the test oracle. A codec file gives `_levels`
-(NumPy), `device_levels` (NDArray ops, for offload off), `torch_levels` (torch ops, for
-slimgc_mx.torch.device) and its kernel entry point.
+(NumPy), `device_levels` (its rule once in array ops that each adapter's device codec
+hands it: MXNet's NDArrays, torch's tensors; DeviceOps) and its kernel entry point.
 """
 import functools
 import math
@@ -133,8 +133,8 @@ class LaneCodec(Codec):
     """A codec whose workers' levels add exactly in float64 lanes.
 
     Subclasses set `levels` (L), `trailer_lanes` and implement `_affine`, `_encode_into`
-    (the kernel call), `device_levels` (and `torch_levels` for the torch device path), and
-    `_agree` when they carry a trailer statistic.
+    (the kernel call), `device_levels` (the rule in DeviceOps, for either adapter's device
+    codec), and `_agree` when they carry a trailer statistic.
     """
 
     levels = None
@@ -362,26 +362,48 @@ class LaneCodec(Codec):
         m, rows = self._rows(num_workers, radix, k, out.shape[0])
         kernels().decode_lanes(lanes_sum, out, rows, k, m, self.num_threads)
 
-    # ------------------------------------------------------------ NDArray path (offload off)
-    def device_levels(self, compensated, nd, const):
-        """float32 NDArray of the level of each compensated value (MXNet ops in `nd`).
-
-        const(kind, params, make) returns a small cached NDArray on the values' context.
-        """
+    # ------------------------------------------------------------ device path (offload off)
+    def device_levels(self, compensated, ops):
+        """The level of each compensated value on its own device, in `ops` (DeviceOps): the
+        codec's rule written once for both adapters' device codecs, bitwise the kernel's."""
         raise NotImplementedError
 
     def device_statistic(self, grad, compensated):
-        """The NDArray whose |.| the trailer statistic sums (None without a trailer)."""
+        """The device array whose |.| the trailer statistic sums (None without a trailer)."""
         return None
 
-    # ------------------------------------------------------------ torch path (PyTorch)
-    def torch_levels(self, compensated, torch, const):
-        """int64 tensor of the level of each compensated value (torch ops: `torch` is the
-        module, handed in so that the codecs import no framework).
 
-        const(kind, params, make) returns a small cached tensor on the values' device.
-        """
-        raise NotImplementedError
+class DeviceOps:
+    """The few array ops a codec's device_levels may use, each adapter's own (MXNet's
+    NDArrays in slimgc_mx.mxnet.device, torch's tensors in slimgc_mx.torch.device), so that
+    a codec writes its device rule once and imports no framework. Levels come in the
+    adapter's level dtype (float32 NDArrays, int64 tensors); arithmetic with Python
+    numbers (+, -, *) and comparisons (>=, <=, <) work on them as on NumPy arrays.
+
+        level(mask)          a comparison's result as levels (1 where true, else 0)
+        abs(x)               |x|
+        where(mask, a, b)    a where mask, else b
+        take(table, index)   table[index] for a table of levels
+        table(kind, params, values)
+                             a small constant table of levels on the values' device, made
+                             once per (kind, params) and cached
+    """
+
+
+class ConstCache:
+    """Small constant arrays per (kind, device), rebuilt only when their parameters change:
+    the device codecs' tables (decoded values, powers of the radix, a codec's own)."""
+
+    def __init__(self):
+        self._hits = {}
+
+    def get(self, kind, device, params, make):
+        key = (kind, device)
+        hit = self._hits.get(key)
+        if hit is None or hit[0] != params:
+            hit = (params, make())
+            self._hits[key] = hit
+        return hit[1]
 
 
 class SharedScale:

@@ -33,7 +33,7 @@ class NoneCodec(LaneCodec):
     def _decode_into(self, lanes_sum, out, num_workers, radix, k):
         np.copyto(out, lanes_sum)
 
-    def device_levels(self, c, nd, const):
+    def device_levels(self, c, ops):
         raise TypeError("codec 'none' has no levels: it sends the float32 values")
 
 

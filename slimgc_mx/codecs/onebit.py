@@ -41,11 +41,8 @@ class OneBit(SharedScale, LaneCodec):
                                   local),
             grad, residual, out))
 
-    def device_levels(self, c, nd, const):
-        return c >= 0.0
-
-    def torch_levels(self, c, torch, const):
-        return (c >= 0.0).long()
+    def device_levels(self, c, ops):
+        return ops.level(c >= 0.0)
 
     def device_statistic(self, grad, compensated):
         return compensated

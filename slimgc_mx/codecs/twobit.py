@@ -26,13 +26,9 @@ class TwoBit(LaneCodec):
                                   local),
             grad, residual, out)
 
-    def device_levels(self, c, nd, const):
+    def device_levels(self, c, ops):
         t = float(np.float32(self._threshold))
-        return (c >= t) - (c <= -t) + 1.0
-
-    def torch_levels(self, c, torch, const):
-        t = float(np.float32(self._threshold))
-        return (c >= t).long() - (c <= -t).long() + 1
+        return ops.level(c >= t) - ops.level(c <= -t) + 1
 
 
 @register(reference=True)

@@ -3,7 +3,8 @@
 This is the offload=False baseline ("compress on the device"): every step is an engine op
 on the gradient's own context, bitwise equal to the Cython kernels given the same state
 (the trailer lane, a float mean summed in another order, excepted). Each codec gives its
-levels as NDArray ops (LaneCodec.device_levels, in the codec's own file); this module
+levels once in DeviceOps (LaneCodec.device_levels, in the codec's own file), here
+NDArrayOps; this module
 compensates, feeds back, packs and unpacks. The codec instance still holds the shared
 state; decode() updates it exactly like LaneCodec.decode().
 
@@ -19,7 +20,7 @@ import mxnet as mx
 import numpy as np
 
 from ..codecs.base import check_num_workers, raise_nonfinite
-from ..codecs.lanes import LaneCodec
+from ..codecs.lanes import ConstCache, LaneCodec
 
 #: Largest finite float32: |c| <= FLT_MAX is false exactly for NaN and +-Inf (as in the kernels).
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -47,6 +48,31 @@ def _store(result, dst):
         result.copyto(dst)
 
 
+class NDArrayOps:
+    """codecs.lanes.DeviceOps in MXNet's NDArray ops on `ctx`: levels are float32."""
+
+    def __init__(self, consts, ctx):
+        self._consts, self._ctx = consts, ctx
+
+    @staticmethod
+    def level(mask):
+        return mask  # a comparison already gives float32 0 and 1
+
+    abs = staticmethod(mx.nd.abs)
+
+    @staticmethod
+    def where(mask, a, b):
+        return mx.nd.where(mask, a, b)
+
+    @staticmethod
+    def take(table, index):
+        return mx.nd.take(table, index)
+
+    def table(self, kind, params, values):
+        return self._consts.get(kind, self._ctx, params, lambda: mx.nd.array(
+            values, ctx=self._ctx, dtype=np.float32))
+
+
 class DeviceCodec:
     """Runs `codec`'s encode/decode with NDArray ops; the codec keeps the shared state."""
 
@@ -56,7 +82,7 @@ class DeviceCodec:
             raise ValueError("DeviceCodec supports lane codecs with levels (1bit, 2bit, 4bit, "
                              "...), got %r" % (name,))
         self.codec = codec
-        self._consts = {}
+        self._consts = ConstCache()
 
     @staticmethod
     def supports(codec):
@@ -80,12 +106,7 @@ class DeviceCodec:
     # ------------------------------------------------------------ constants
     def _const(self, kind, ctx, params, make):
         """Small constant NDArray on ctx, rebuilt only when its parameters change."""
-        key = (kind, ctx)
-        hit = self._consts.get(key)
-        if hit is None or hit[0] != params:
-            hit = (params, make())
-            self._consts[key] = hit
-        return hit[1]
+        return self._consts.get(kind, ctx, params, make)
 
     def _own(self, ctx):
         """float32 table: decoded value of each level for one worker (codec.own_values())."""
@@ -101,9 +122,8 @@ class DeviceCodec:
 
     # ------------------------------------------------------------ levels
     def _levels(self, c, ctx):
-        """float32 level q of each compensated value: the codec's own NDArray ops."""
-        return self.codec.device_levels(
-            c, mx.nd, lambda kind, params, make: self._const(kind, ctx, params, make))
+        """float32 level q of each compensated value: the codec's rule in NDArray ops."""
+        return self.codec.device_levels(c, NDArrayOps(self._consts, ctx))
 
     # ------------------------------------------------------------ encode
     @staticmethod

@@ -6,7 +6,8 @@ residual stays, and only the lanes cross to the host, in one copy. The lanes and
 residual are bitwise those of the Cython kernels given the same state, so some keys may
 be compressed here and others on the CPU and the sums still decode exactly; the trailer
 lane (1bit's scale, 4bit's group) excepted, a float64 mean summed in another order. Each
-codec gives its levels as torch ops (LaneCodec.torch_levels, in the codec's own file);
+codec gives its levels once in DeviceOps (LaneCodec.device_levels, in the codec's own
+file), here TorchOps;
 this module compensates, feeds back, packs and unpacks. The codec instance holds the
 shared state; decode() updates it exactly like LaneCodec.decode().
 
@@ -22,7 +23,7 @@ import torch
 
 from .. import codecs
 from ..codecs.base import check_num_workers, raise_nonfinite
-from ..codecs.lanes import EXACT_LIMIT, LaneCodec
+from ..codecs.lanes import EXACT_LIMIT, ConstCache, LaneCodec
 
 _DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
@@ -67,6 +68,28 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+class TorchOps:
+    """codecs.lanes.DeviceOps in torch ops on `device`: levels are int64 tensors."""
+
+    def __init__(self, consts, device):
+        self._consts, self._device = consts, device
+
+    @staticmethod
+    def level(mask):
+        return mask.long()
+
+    abs = staticmethod(torch.abs)
+    where = staticmethod(torch.where)
+
+    @staticmethod
+    def take(table, index):
+        return table[index]
+
+    def table(self, kind, params, values):
+        return self._consts.get(kind, self._device, params, lambda: torch.tensor(
+            values, dtype=torch.int64, device=self._device))
+
+
 class TorchDeviceCodec:
     """Runs `codec`'s encode/decode with torch ops; the codec keeps the shared state.
 
@@ -84,13 +107,13 @@ class TorchDeviceCodec:
         self.copies = copies  # a device model's copies.Copies: encode_key's work counted
         self.residual = None  # the key's residual on a CUDA device (encode_key), or None
         self.device = torch.device("cpu")  # where the last encode ran: decode_key runs there
-        self._consts = {}
+        self._consts = ConstCache()
 
     @staticmethod
     def supports(codec):
         """True for a float64 lane codec with torch levels and no gathered trailer."""
         return (isinstance(codec, LaneCodec) and codec.levels is not None
-                and type(codec).torch_levels is not LaneCodec.torch_levels
+                and type(codec).device_levels is not LaneCodec.device_levels
                 and not codec.gathered and codec.rounds == 1
                 and codec.wire_dtype == np.float64)
 
@@ -145,12 +168,7 @@ class TorchDeviceCodec:
     # ------------------------------------------------------------ constants
     def _const(self, kind, device, params, make):
         """Small constant tensor on `device`, rebuilt only when its parameters change."""
-        key = (kind, device)
-        hit = self._consts.get(key)
-        if hit is None or hit[0] != params:
-            hit = (params, make())
-            self._consts[key] = hit
-        return hit[1]
+        return self._consts.get(kind, device, params, make)
 
     def _own(self, device):
         """float32 table: decoded value of each level for one worker (codec.own_values())."""
@@ -198,8 +216,7 @@ class TorchDeviceCodec:
         c = g + r
         if not bool(torch.isfinite(c).all()):  # the one host synchronisation
             raise_nonfinite(g.detach().cpu().numpy(), r.detach().cpu().numpy())
-        q = codec.torch_levels(
-            c, torch, lambda kind, params, make: self._const(kind, device, params, make))
+        q = codec.device_levels(c, TorchOps(self._consts, device))
         parts = []
         pad = n_lanes * k - size
         # Digits past the end are 0, as the kernels pack only the real elements; the
