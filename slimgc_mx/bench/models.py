@@ -7,6 +7,8 @@ behind conv layers, `fc` the same huge FC layers with almost no compute.
 """
 from mxnet.gluon import nn
 
+from . import shapes
+
 __all__ = ["MODELS", "get_model", "count_params"]
 
 
@@ -146,41 +148,18 @@ def _fc(num_classes, input_shape):
     return MLP(num_classes, hidden=(4096, 4096))
 
 
-def _cnn1d(num_classes, input_shape):
-    if len(input_shape) not in (1, 2):
-        raise ValueError("cnn1d needs (L,) or (C, L) inputs, got input_shape=%r" % (input_shape,))
-    return CNN1D(num_classes, add_channel_axis=len(input_shape) == 1)
-
-
-def _image(builder, name):
-    def make(num_classes, input_shape):
-        if len(input_shape) != 3:
-            raise ValueError("%s needs (C, H, W) inputs, got input_shape=%r" % (name, input_shape))
-        return builder(num_classes, input_shape)
-    return make
-
-
-def _vgg(num_classes, input_shape):
-    h, w = input_shape[1:]
-    if min(h, w) < 32 or h != w:
-        raise ValueError("vgg needs square images of at least 32x32, got %r" % (input_shape,))
-    return VGG(num_classes, feature_size=h // 16)
-
-
 MODELS = {
     "mlp": _mlp,
     "fc": _fc,
-    "cnn1d": _cnn1d,
-    "resnet20": _image(lambda k, shape: ResNetCIFAR(k, n=3), "resnet20"),
-    "vgg": _image(_vgg, "vgg"),
+    "cnn1d": lambda k, shape: CNN1D(k, add_channel_axis=len(shape) == 1),
+    "resnet20": lambda k, shape: ResNetCIFAR(k, n=3),
+    "vgg": lambda k, shape: VGG(k, feature_size=shape[1] // 16),
 }
 
 
 def get_model(name, num_classes, input_shape):
     """Build the (uninitialized) model `name` for `num_classes` and per-sample `input_shape`."""
-    if name not in MODELS:
-        raise ValueError("unknown model %r; valid names: %s" % (name, ", ".join(sorted(MODELS))))
-    return MODELS[name](int(num_classes), tuple(int(d) for d in input_shape))
+    return shapes.build(MODELS, name, num_classes, input_shape)
 
 
 def count_params(net, trainable_only=True):

@@ -221,3 +221,19 @@ def get(name: str) -> ModelShapes:
     if name not in MODELS:
         raise ValueError("unknown model %r; valid: %s" % (name, ", ".join(MODELS)))
     return MODELS[name]()
+
+
+def build(builders, name, num_classes, input_shape):
+    """builders[name](num_classes, input_shape) for the harness's models (bench/models.py's
+    Gluon and bench/torch_models.py's torch ones alike), after one check of the name and of
+    the per-sample input shape each model needs; ValueError naming the problem otherwise."""
+    if name not in builders:
+        raise ValueError("unknown model %r; valid names: %s" % (name, ", ".join(sorted(builders))))
+    shape = tuple(int(d) for d in input_shape)
+    if name == "cnn1d" and len(shape) not in (1, 2):
+        raise ValueError("cnn1d needs (L,) or (C, L) inputs, got input_shape=%r" % (shape,))
+    if name in ("resnet20", "vgg") and len(shape) != 3:
+        raise ValueError("%s needs (C, H, W) inputs, got input_shape=%r" % (name, shape))
+    if name == "vgg" and (min(shape[1:]) < 32 or shape[1] != shape[2]):
+        raise ValueError("vgg needs square images of at least 32x32, got %r" % (shape,))
+    return builders[name](int(num_classes), shape)

@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from . import shapes
+
 __all__ = ["MODELS", "get_model", "count_params", "init_weights"]
 
 _BN = {"momentum": 0.1, "eps": 1e-5}
@@ -127,33 +129,12 @@ class VGG(nn.Module):
         return self.classifier(self.features(x))
 
 
-def _cnn1d(num_classes, input_shape):
-    if len(input_shape) not in (1, 2):
-        raise ValueError("cnn1d needs (L,) or (C, L) inputs, got input_shape=%r" % (input_shape,))
-    return CNN1D(num_classes, input_shape)
-
-
-def _image(builder, name):
-    def make(num_classes, input_shape):
-        if len(input_shape) != 3:
-            raise ValueError("%s needs (C, H, W) inputs, got input_shape=%r" % (name, input_shape))
-        return builder(num_classes, input_shape)
-    return make
-
-
-def _vgg(num_classes, input_shape):
-    h, w = input_shape[1:]
-    if min(h, w) < 32 or h != w:
-        raise ValueError("vgg needs square images of at least 32x32, got %r" % (input_shape,))
-    return VGG(num_classes, input_shape)
-
-
 MODELS = {
     "mlp": lambda k, shape: MLP(k, shape),
     "fc": lambda k, shape: MLP(k, shape, hidden=(4096, 4096)),
-    "cnn1d": _cnn1d,
-    "resnet20": _image(lambda k, shape: ResNetCIFAR(k, shape, n=3), "resnet20"),
-    "vgg": _image(_vgg, "vgg"),
+    "cnn1d": lambda k, shape: CNN1D(k, shape),
+    "resnet20": lambda k, shape: ResNetCIFAR(k, shape, n=3),
+    "vgg": lambda k, shape: VGG(k, shape),
 }
 
 
@@ -174,9 +155,7 @@ def init_weights(model):
 def get_model(name, num_classes, input_shape):
     """The model `name` for `num_classes` and per-sample `input_shape`, initialized as
     init_weights() does (seed torch first for the same weights on every rank)."""
-    if name not in MODELS:
-        raise ValueError("unknown model %r; valid names: %s" % (name, ", ".join(sorted(MODELS))))
-    return init_weights(MODELS[name](int(num_classes), tuple(int(d) for d in input_shape)))
+    return init_weights(shapes.build(MODELS, name, num_classes, input_shape))
 
 
 def count_params(model):
