@@ -60,6 +60,17 @@ def check_threshold(threshold, name):
     return value
 
 
+def check_grad_residual(grad, residual):
+    """The element count of an encoder's inputs: grad and residual, 1-D C-contiguous float32
+    of one length, residual writeable; TypeError or ValueError naming the problem."""
+    check_vector("grad", grad, np.float32)
+    check_vector("residual", residual, np.float32, writeable=True)
+    if residual.shape[0] != grad.shape[0]:
+        raise ValueError("residual must have as many elements as grad: %d != %d"
+                         % (residual.shape[0], grad.shape[0]))
+    return grad.shape[0]
+
+
 def check_vector(name, array, dtype, writeable=False, length=None):
     """Check a 1-D C-contiguous array of `dtype` (optionally writeable / of `length`)."""
     dtype = np.dtype(dtype)

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .base import (Codec, NonFiniteGradientError, Option, Traits, check_disjoint,
+from .base import (Codec, check_grad_residual, NonFiniteGradientError, Option, Traits, check_disjoint,
                    check_num_workers, check_vector, kernels, output, raise_nonfinite)
 from .registry import register
 
@@ -384,12 +384,7 @@ class GComp(Codec):
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) \
                 or not 0 <= rank < n_workers:
             raise ValueError("rank must be in 0..%d, got %r" % (n_workers - 1, rank))
-        check_vector("grad", grad, np.float32)
-        check_vector("residual", residual, np.float32, writeable=True)
-        if residual.shape[0] != grad.shape[0]:
-            raise ValueError("residual must have as many elements as grad: %d != %d"
-                             % (residual.shape[0], grad.shape[0]))
-        size = grad.shape[0]
+        size = check_grad_residual(grad, residual)
         n_lanes = self.lane_count(size, n_workers)
         piece = self.piece_lanes(size)
         streamed = piece and n_lanes > piece and isinstance(out, np.ndarray) \

@@ -24,8 +24,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .base import (Codec, Option, check_disjoint, check_num_workers, check_vector, kernels,
-                   output, raise_nonfinite)
+from .base import (Codec, Option, check_disjoint, check_grad_residual, check_num_workers,
+                   check_vector, kernels, output, raise_nonfinite)
 from .layout import CHUNK_LANES, ROW
 
 #: Largest integer below which every integer is exact in float64.
@@ -127,6 +127,21 @@ def refuse_divergent(codec, setting, fix):
         _WARNED.add((codec.name, setting))
         warnings.warn("%s; running it because allow_unbiased_feedback=true" % why,
                       UserWarning, stacklevel=2)
+
+
+class UnbiasedFeedback:
+    """Mixin of an unbiased quantizer (terngrad, qsgd): its two feedback options
+    (FEEDBACK_OPTIONS, merged into the codec's `options`) and the refusal of
+    error_feedback=true unless allow_unbiased_feedback=true overrides it."""
+
+    FEEDBACK_OPTIONS = {"error_feedback": NO_FEEDBACK_BY_DEFAULT,
+                        "allow_unbiased_feedback": ALLOW_UNBIASED_FEEDBACK}
+
+    def check_options(self):
+        """error_feedback=true diverges (NO_FEEDBACK_BY_DEFAULT): refused unless overridden."""
+        if self.option_values["error_feedback"]:
+            refuse_divergent(self, "error_feedback=true",
+                             "leave error_feedback false (the default)")
 
 
 class LaneCodec(Codec):
@@ -241,12 +256,7 @@ class LaneCodec(Codec):
                             "without local" % self.name)
         n_workers = check_num_workers(num_workers)
         radix, k = self.geometry(n_workers)
-        check_vector("grad", grad, np.float32)
-        check_vector("residual", residual, np.float32, writeable=True)
-        if residual.shape[0] != grad.shape[0]:
-            raise ValueError("residual must have as many elements as grad: %d != %d"
-                             % (residual.shape[0], grad.shape[0]))
-        size = grad.shape[0]
+        size = check_grad_residual(grad, residual)
         n_lanes = self.lane_count(size, n_workers)
         out = output(out, n_lanes, self.wire_dtype)
         arrays = dict(grad=grad, residual=residual, out=out)

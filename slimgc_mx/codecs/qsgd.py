@@ -18,8 +18,7 @@ import numpy as np
 
 from . import rng
 from .base import Option, Traits, kernels
-from .lanes import (ALLOW_UNBIASED_FEEDBACK, NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference,
-                    refuse_divergent)
+from .lanes import LaneCodec, LaneReference, UnbiasedFeedback
 from .layout import CHUNK_LANES
 from .registry import register
 
@@ -42,7 +41,7 @@ def bucket_norms(partials):
 
 
 @register
-class QSGD(LaneCodec):
+class QSGD(UnbiasedFeedback, LaneCodec):
     """2s + 1 levels per element with per-bucket norms shared through gathered trailer values."""
 
     name = "qsgd"
@@ -55,15 +54,8 @@ class QSGD(LaneCodec):
                               "a power of two in 1..%d: a bucket must lie inside one of the "
                               "kernels' chunks of %d lanes * k elements, so that its norm does "
                               "not depend on the thread count" % (CHUNK_LANES, CHUNK_LANES)),
-        "error_feedback": NO_FEEDBACK_BY_DEFAULT,
-        "allow_unbiased_feedback": ALLOW_UNBIASED_FEEDBACK,
+        **UnbiasedFeedback.FEEDBACK_OPTIONS,
     }
-
-    def check_options(self):
-        """error_feedback=true diverges (NO_FEEDBACK_BY_DEFAULT): refused unless overridden."""
-        if self.option_values["error_feedback"]:
-            refuse_divergent(self, "error_feedback=true",
-                             "leave error_feedback false (the default)")
 
     def __init__(self, threshold=None, num_threads=None, **options):
         super().__init__(threshold=threshold, num_threads=num_threads, **options)

@@ -18,8 +18,7 @@ import numpy as np
 
 from . import rng
 from .base import Option, Traits, kernels
-from .lanes import (ALLOW_UNBIASED_FEEDBACK, NO_FEEDBACK_BY_DEFAULT, LaneCodec, LaneReference,
-                    SharedScale, chunk_sum, refuse_divergent)
+from .lanes import LaneCodec, LaneReference, SharedScale, UnbiasedFeedback, chunk_sum
 from .registry import register
 
 
@@ -33,7 +32,7 @@ def _clip_stat(top, total, squares, size, clip_sigma):
 
 
 @register
-class TernGrad(SharedScale, LaneCodec):
+class TernGrad(UnbiasedFeedback, SharedScale, LaneCodec):
     """Ternary levels with a scale shared through gathered trailer values (the max)."""
 
     name = "terngrad"
@@ -43,15 +42,8 @@ class TernGrad(SharedScale, LaneCodec):
     options = {
         "clip_sigma": Option(float, 2.5, lambda v: 0 <= v < 1e6 and math.isfinite(v),
                              "a number >= 0 (the paper's 2.5; 0: no clipping)"),
-        "error_feedback": NO_FEEDBACK_BY_DEFAULT,
-        "allow_unbiased_feedback": ALLOW_UNBIASED_FEEDBACK,
+        **UnbiasedFeedback.FEEDBACK_OPTIONS,
     }
-
-    def check_options(self):
-        """error_feedback=true diverges (NO_FEEDBACK_BY_DEFAULT): refused unless overridden."""
-        if self.option_values["error_feedback"]:
-            refuse_divergent(self, "error_feedback=true",
-                             "leave error_feedback false (the default)")
 
     def __init__(self, threshold=None, num_threads=None, **options):
         super().__init__(threshold=threshold, num_threads=num_threads, **options)
