@@ -1,7 +1,9 @@
 """The residual watch (slimgc_mx/residual_watch.py): an error-feedback residual that keeps
 growing is found and told once per process; a healthy one, or one that rightly fills up,
-is not. From series of norms, and through the engine on the NumPy backend."""
+is not. From series of norms, through the engine on the NumPy backend, and in a real job."""
+import importlib.util
 import math
+import os
 import warnings
 
 import numpy as np
@@ -13,6 +15,8 @@ from slimgc_mx.grad_buf import FusedEncode, GradCheck, KeyBuffers, stream_pieces
 from slimgc_mx.offload import Pipeline
 from slimgc_mx.push_plan import BUCKET, ENCODER, LOCAL_UPDATE
 from slimgc_mx.transport import HostBuffer, piece_bounds
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _first_found(series, norms):
@@ -218,3 +222,33 @@ def test_the_engine_finds_a_runaway_residual_and_not_a_healthy_one(monkeypatch, 
         assert text is not None and "is likely wrecking training" in text
         assert ("(fused)" in text) == (site == BUCKET), text
     assert healthy == [None, None]
+
+
+# -- a real job (PyTorch, one process) ------------------------------------------------------
+
+def _first_hour():
+    spec = importlib.util.spec_from_file_location(
+        "first_hour", os.path.join(HERE, "torch_jobs", "first_hour.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_job_that_diverges_is_told_and_one_that_trains_is_not(monkeypatch):
+    """The first-hour job, every tensor randomk at ratio 0.1: with momentum 0.9 the loss rises
+    and the user is warned once, naming the parameter and the fixes; with momentum 0 it
+    trains, and the watch is silent."""
+    pytest.importorskip("torch")
+    job = _first_hour().job
+    monkeypatch.setattr(rw, "_told", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before, after, growth = job("randomk", momentum=0.9, ratio=0.1)
+        quiet = job("randomk", momentum=0.0, ratio=0.1)
+    said = [str(w.message) for w in caught if issubclass(w.category, rw.ResidualGrowthWarning)]
+    assert after > 2 * before, (before, after)
+    assert growth is not None and said == [growth]
+    assert growth.startswith("codec 'randomk' is likely wrecking training: the "
+                             "error-feedback residual of 1.")  # the BatchNorm's parameters
+    assert "comm_threshold='auto'" in growth and "ratio=0.1" in growth
+    assert quiet[1] < 0.5 * quiet[0] and quiet[2] is None, quiet
