@@ -10,10 +10,12 @@ servers):
     python -m slimgc_mx.launch -n 2 -s 2 python scripts/defaults_check.py --codec qsgd
 
 or with --threads N, N workers as threads of this process (no servers; what the tests run).
---option NAME=VALUE sets a codec option; --dataset, --hidden, --batch, --lr and --steps
-change the job, and --comm-threshold BYTES sends smaller tensors in full precision. The
-exit status is 1 when some rank's final loss is not below --fraction of its initial
-loss. docs/codecs.md, "Defaults that train", has the results.
+--option NAME=VALUE sets a codec option; --dataset, --hidden, --batch, --lr, --momentum and
+--steps change the job, and --comm-threshold BYTES sends smaller tensors in full precision.
+Each rank's line also says whether the residual watch warned that compression is wrecking
+training (slimgc_mx/engine/residual_watch.py). The exit status is 1 when some rank's final loss
+is not below --fraction of its initial loss. docs/codecs.md, "Defaults that train" and
+"Compression that wrecks training", has the results.
 """
 # Scheduler and server processes of a dist job enter their loop inside `import mxnet`
 # and exit there, so it comes before anything heavy.
@@ -23,6 +25,7 @@ import argparse
 import os
 import sys
 import threading
+from collections import namedtuple
 
 import numpy as np
 from mxnet import autograd, gluon
@@ -39,6 +42,9 @@ from slimgc_mx.bench import datasets, jobtools  # noqa: E402
 BATCH, LR, MOMENTUM, STEPS, FRACTION = 32, 0.01, 0.9, 100, 0.5
 DATASET, HIDDEN = "digits", (128, 64)
 _INIT_LOCK = threading.Lock()  # worker threads must not share a global RNG while seeding
+#: One rank's result: loss on its shard before and after, and the residual watch's message
+#: (the kvstore's stats()["residual_growth"]), None when it stayed silent.
+Outcome = namedtuple("Outcome", "before after residual_growth")
 
 
 def make_net(inputs, hidden=HIDDEN, seed=0):
@@ -65,9 +71,9 @@ def shard_loss(net, x, y):
 def train_rank(kv, codec, options=None, steps=STEPS, lr=LR, momentum=MOMENTUM, dataset=DATASET,
                hidden=HIDDEN, batch=BATCH, comm_threshold="off"):
     """Train on this rank's shard through `kv` with `codec` (its defaults updated by
-    `options`), compressing tensors of at least `comm_threshold` bytes ('off': all);
-    (initial, final) loss on the shard. dgc applies momentum itself, so its optimizer's
-    is 0 and the codec's default stands in for it."""
+    `options`), compressing tensors of at least `comm_threshold` bytes ('off': all); an
+    Outcome. dgc applies momentum itself, so its optimizer's is 0 and the codec's default
+    stands in for it."""
     rank, workers = kv.rank, kv.num_workers
     with _INIT_LOCK:  # mnist1d's generator reseeds NumPy's global RNG: one thread at a time
         data = datasets.load(dataset, rank=rank, num_workers=workers)
@@ -88,12 +94,12 @@ def train_rank(kv, codec, options=None, steps=STEPS, lr=LR, momentum=MOMENTUM, d
         loss.backward()
         trainer.step(batch * workers)
     slimgc_mx.flush(trainer)
-    return before, shard_loss(net, x, y)
+    return Outcome(before, shard_loss(net, x, y), kv.stats()["residual_growth"])
 
 
 def in_threads(workers, codec, options=None, **job):
-    """train_rank(**job) on `workers` threads sharing a ThreadGroup transport;
-    [(initial, final)] per rank."""
+    """train_rank(**job) on `workers` threads sharing a ThreadGroup transport; an Outcome
+    per rank."""
     from slimgc_mx.mxnet.kvstore import SlimGC
     from slimgc_mx.transport import ThreadGroup
     group = ThreadGroup(workers)
@@ -146,6 +152,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=BATCH, help="samples per worker and step "
                    "(%(default)s)")
     p.add_argument("--lr", type=float, default=LR, help="SGD learning rate (%(default)s)")
+    p.add_argument("--momentum", type=float, default=MOMENTUM,
+                   help="SGD momentum (%(default)s; dgc's optimizer always has 0)")
     p.add_argument("--dataset", default=DATASET, choices=("digits", "mnist1d"),
                    help="training set (%(default)s)")
     p.add_argument("--hidden", type=widths, default=HIDDEN, metavar="W,W,...",
@@ -164,20 +172,21 @@ def main(argv=None):
         codecs.create(args.codec, reference=True, **options)
     except ValueError as exc:
         p.error(str(exc))
-    job = dict(steps=args.steps, lr=args.lr, dataset=args.dataset, hidden=args.hidden,
-               batch=args.batch, comm_threshold=args.comm_threshold)
+    job = dict(steps=args.steps, lr=args.lr, momentum=args.momentum, dataset=args.dataset,
+               hidden=args.hidden, batch=args.batch, comm_threshold=args.comm_threshold)
     if args.threads:
         runs = list(enumerate(in_threads(args.threads, args.codec, options, **job)))
     else:
         kv = mx.kv.create("slimgc")
         runs = [(kv.rank, train_rank(kv, args.codec, options, **job))]
     ok = True
-    for rank, (before, after) in runs:
+    for rank, (before, after, growth) in runs:
         trained = after < args.fraction * before
         ok = ok and trained
-        print("rank %d: %s %s: loss %.3f -> %.3f after %d steps%s"
+        print("rank %d: %s %s: loss %.3f -> %.3f after %d steps%s; residual watch: %s"
               % (rank, args.codec, options or "defaults", before, after, args.steps,
-                 "" if trained else " (NOT TRAINED)"), flush=True)
+                 "" if trained else " (NOT TRAINED)", "WARNED" if growth else "silent"),
+              flush=True)
     return 0 if ok else 1
 
 

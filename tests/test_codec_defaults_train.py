@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from slimgc_mx import codecs
+from slimgc_mx.engine import residual_watch
 from slimgc_mx.codecs import lanes
 from slimgc_mx.mxnet.kvstore import SlimGC
 
@@ -36,9 +37,11 @@ DIVERGENT = [("qsgd", {"error_feedback": True}, "error_feedback=true"),
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", [c for c in codecs.available() if c != "none"])
 def test_every_codec_trains_at_its_defaults_on_every_rank(codec):
-    """2 workers, every tensor compressed, the job's fixed settings: loss at least halved."""
-    for rank, (before, after) in enumerate(check.in_threads(2, codec)):
+    """2 workers, every tensor compressed, the job's fixed settings: loss at least halved, and
+    the residual watch silent."""
+    for rank, (before, after, growth) in enumerate(check.in_threads(2, codec)):
         assert after < check.FRACTION * before, (codec, rank, before, after)
+        assert growth is None, (codec, rank, growth)
 
 
 @pytest.mark.slow
@@ -47,7 +50,7 @@ def test_qsgd_at_its_defaults_trains_about_as_well_as_full_precision():
     sqrt(512) / 4 = 5.7 times the signal) the final loss was 1.5x full precision's."""
     full = check.in_threads(2, "none", **NOISY_JOB)
     qsgd = check.in_threads(2, "qsgd", **NOISY_JOB)
-    for (before, exact), (_, after) in zip(full, qsgd):
+    for (before, exact, _), (_, after, _) in zip(full, qsgd):
         assert exact < 0.2 * before
         assert after < 1.25 * exact, (after, exact)
 
@@ -56,17 +59,32 @@ def test_qsgd_at_its_defaults_trains_about_as_well_as_full_precision():
 def test_randomk_at_its_default_trains_where_one_percent_diverged():
     """At ratio 0.01 an element went out once per 100 pushes with all it had accumulated,
     and with momentum the loss rose (2.41 -> 4.93); at the default it falls on every rank."""
-    for before, after in check.in_threads(2, "randomk", **M1D_JOB):
+    for before, after, growth in check.in_threads(2, "randomk", **M1D_JOB):
         assert after < 0.75 * before, (before, after)
+        assert growth is None, growth
 
 
 @pytest.mark.slow
 def test_2bit_at_its_default_trains_the_noisy_job_with_small_tensors_in_full_precision():
     """Every tensor compressed at threshold 0.5 diverged there (2.41 -> 2.72); with the
-    tensors below the paper's 15 KB communication threshold in float32 it trains."""
-    for before, after in check.in_threads(2, "2bit", comm_threshold=PAPER_THRESHOLD,
-                                          **NOISY_JOB):
+    tensors below the paper's 15 KB communication threshold in float32 it trains, and the
+    residual watch is silent although the first layer's residual grows (saturated)."""
+    for before, after, growth in check.in_threads(2, "2bit", comm_threshold=PAPER_THRESHOLD,
+                                                  **NOISY_JOB):
         assert after < 0.4 * before, (before, after)
+        assert growth is None, growth
+
+
+@pytest.mark.slow
+def test_2bit_with_every_tensor_compressed_diverges_on_the_noisy_job_and_is_told(monkeypatch):
+    """The residual watch finds the diverging run (docs/codecs.md, "Compression that wrecks
+    training") on every rank, naming a parameter and the fixes."""
+    monkeypatch.setattr(residual_watch, "_told", True)  # the stats, not the warning
+    for before, after, growth in check.in_threads(2, "2bit", **NOISY_JOB):
+        assert after > before, (before, after)
+        assert growth is not None and "codec '2bit' is likely wrecking training: the " \
+            "error-feedback residual of check_batchnorm" in growth, growth
+        assert "comm_threshold='auto', or a size such as 15360 bytes" in growth
 
 
 @pytest.mark.parametrize("name, options, setting", DIVERGENT)

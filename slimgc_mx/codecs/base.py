@@ -377,6 +377,12 @@ class Codec:
         measurements found the pair unstable; None when there is nothing to say."""
         return None
 
+    def residual_fill(self, size):
+        """Pushes during which this codec's residual may rightly keep growing on a key of
+        `size` elements (a sparsifier's elements wait about that long for their turn); the
+        residual watch judges its growth only after them. 0: none."""
+        return 0
+
     def compresses(self, shape):
         """False for a tensor of `shape` this codec sends in full precision (the planner
         routes it to fp_buf and gives it no codec state, e.g. PowerSGD's vectors)."""

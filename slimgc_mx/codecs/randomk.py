@@ -65,6 +65,10 @@ class RandomK(Codec):
         size = int(size)
         return min(size, max(1, int(round(self.ratio * size)))) if size else 0
 
+    def residual_fill(self, size):
+        """size / k pushes: an element is drawn about once in that many."""
+        return size / self.count(size) if size else 0
+
     def lane_count(self, size, num_workers):
         """k float32 values, whatever the number of workers."""
         check_num_workers(num_workers)

@@ -136,6 +136,10 @@ class TopK(Codec):
             self._cache[key] = k, rows * cols
         return self._cache[key]
 
+    def residual_fill(self, size):
+        """size / k pushes: an element not among the largest waits about that long."""
+        return size / top_count(self.ratio, size) if size else 0
+
     def capacity(self, size):
         """Entries in a slot of the next push: k."""
         return self._slot(size)[0]

@@ -18,8 +18,7 @@ from functools import partial
 import numpy as np
 
 from .. import codecs, notice
-from . import agreement, lanes32, sgd_rule
-from . import backend
+from . import agreement, backend, lanes32, residual_watch, sgd_rule
 from .backend import Collective, Framework
 from .backup import ModelBackup
 from .grad_buf import FusedEncode, Push, mark_nonfinite
@@ -73,6 +72,7 @@ class Aggregator:
         self.stats = TransferStats()
         self.clip = StepClip(transport.num_workers)  # clipped steps' gate (step_clip.py)
         self._deferred = []  # backup off, in a clipped step: (key, version, outs) to write back
+        self.residual_growth = None  # what the residual watch found first (a message), or None
         self.update = None  # GlobalUpdate, once an optimizer is set
         self._local = None  # LocalUpdater, built at the first local update
         self.params_local = False  # some parameters hold loc_buf, not the global weights
@@ -159,6 +159,8 @@ class Aggregator:
         loc_buf (backup) or w_{i+1}; without one, the key's value becomes the sum over
         workers, as on MXNet's dist_sync servers. pull() reads the value.
         """
+        if self.residual_growth is not None:
+            residual_watch.warn(self.residual_growth)  # on this thread, once per process
         b = self._checked(key, grads)
         step = self._next_step(key)
         if self.update is None:
@@ -214,7 +216,8 @@ class Aggregator:
         if transfer is None or transfer.plan.encode not in (LOCAL_UPDATE, PIECES):
             return None
         return FusedEncode(transfer.buffers, transfer.exchange.send, self.num_workers,
-                           self.transport.rank, transfer.check, transfer.plan.pieces)
+                           self.transport.rank, transfer.check, transfer.plan.pieces,
+                           transfer.plan.measure)
 
     def _push_sum(self, key, b, step, grads, priority):
         """No optimizer: the sum over contexts and workers becomes the key's value."""
@@ -271,9 +274,14 @@ class Aggregator:
             self._submit(transfer)
 
     def _finish(self, transfer):
-        """Aggregation thread: account, record timings, update glo_buf, publish."""
+        """Aggregation thread: account, record timings, judge the residual watch's sample,
+        update glo_buf, publish."""
         self.stats.add(transfer)
         plan = transfer.plan
+        if plan.measure:
+            found = transfer.buffers.watch.close()
+            if found is not None and self.residual_growth is None:
+                self.residual_growth = residual_watch.message(transfer.label, self.codec, found)
         # the link carries the larger direction: a gather pulls N slots
         self.cttab.record(transfer.label, transfer.buffers.nbytes, plan.compressed,
                           transfer.t_comm, transfer.t_proc, max(transfer.wire_bytes()),
@@ -392,7 +400,9 @@ def report(agg, compressor, pieces):
     the local update had encoded them;
     keys_encoded_in_local_update: keys whose local update has encoded them in its pass,
     of which keys_gradient_in_place read the gradient where MXNet keeps it (the rest
-    were in MKLDNN's layout and copied into grad_buf).
+    were in MKLDNN's layout and copied into grad_buf);
+    residual_growth: the residual watch's message about the first key whose error-feedback
+    residual kept growing (compression likely wrecking training), or None.
     """
     cttab = agg.cttab if agg is not None else None
     best = cttab.best_ct if cttab is not None else None
@@ -422,6 +432,7 @@ def report(agg, compressor, pieces):
         "wire_pieces": pieces,
         "keys_encoded_in_local_update": sum(v is not None for v in layouts),
         "keys_gradient_in_place": sum(v is True for v in layouts),
+        "residual_growth": agg.residual_growth if agg is not None else None,
     }
 
 

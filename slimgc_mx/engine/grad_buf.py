@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import residual_watch
 from ..codecs import NonFiniteGradientError
 from .lanes32 import Lanes32Layout, uses_float64_lanes
 
@@ -79,6 +80,7 @@ class KeyBuffers:
     agg       float32 sum over workers of the gradient (pulled, or decoded from bit_sum)
     residual  the codec's error-feedback memory (Codec.memory_size: the residual, then any
               further per-worker state)
+    watch     the residual watch's samples of this key (residual_watch.Series)
     device    a DeviceCodec when encoding runs as NDArray ops (offload off), else None
     wire      the transport's wire keys of this key (transport.keys.KeyWire)
     """
@@ -98,6 +100,7 @@ class KeyBuffers:
         self.grad_in_place = None  # fused pushes read the gradient in place (None: not yet known)
         if codec is not None:
             self.residual = make_buffer((codec.memory_size(size),), np.float32)
+            self.watch = residual_watch.Series(codec.residual_fill(size))
             self.round_sets = _round_sets(codec.wire_classes(size, self.shape, num_workers),
                                           make_buffer)
             if lanes32:
@@ -105,6 +108,7 @@ class KeyBuffers:
                     add_lanes32(rounds, codec, size, num_workers, make_buffer)
         else:  # compressor 'none': full precision only, no error feedback
             self.residual = None
+            self.watch = None
             self.round_sets = []
 
     @property
@@ -209,13 +213,14 @@ class FusedEncode:
     .wait_version), by which every access of those pieces has finished.
     """
 
-    def __init__(self, buffers, send, num_workers, rank, check, pieces=None):
+    def __init__(self, buffers, send, num_workers, rank, check, pieces=None, measure=False):
         self.buffers = buffers
         self.send = send  # the round's bit_buf (a Buffer)
         self.num_workers = num_workers
         self.rank = rank
         self.check = check
         self.pieces = pieces
+        self.measure = measure  # the residual watch samples this push (Plan.measure)
 
     def parts(self):
         """What each operator encodes: the Pieces, or [None] for the whole key in one."""
@@ -234,6 +239,8 @@ class FusedEncode:
             grad, residual, out = (grad[piece.lo:piece.hi], residual[piece.lo:piece.hi],
                                    out[piece.lanes])
         try:
+            if self.measure:
+                b.watch.add(grad, residual)
             b.codec.encode(grad, residual, self.num_workers, out=out, rank=self.rank,
                            local=local)
             bad = 0

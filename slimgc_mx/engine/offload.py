@@ -288,6 +288,8 @@ class Pipeline:
         counted = t.check.nonfinite if t.plan.grad_check == LOCAL_UPDATE else None
         t0 = time.perf_counter()
         try:
+            if t.plan.measure:
+                b.watch.add(grad, residual)
             if counted:
                 raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
             b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,

@@ -25,6 +25,7 @@ import warnings
 
 import numpy as np
 
+from . import residual_watch
 from ..codecs.rng import key_seed
 from .grad_buf import GradCheck, KeyBuffers, Push, WireRound, add_lanes32, stream_pieces
 from .offload import Transfer
@@ -56,6 +57,8 @@ class Bucket:
         self.agg = make_buffer((self.size,), np.float32)
         self.codec = codec  # compressed bucket: one codec instance for all its members
         self.residual = make_buffer((self.size,), np.float32) if codec is not None else None
+        self.watch = residual_watch.Series(codec.residual_fill(self.size)) \
+            if codec is not None else None
         offset = 0
         for b in members.values():
             b.grad_buf = self.grad_buf.view(offset, b.shape)
@@ -317,7 +320,8 @@ class Planner:
                 return FULL_BUCKET_PLAN
             # the codec's state is that of the bucket's last decoded push, alike everywhere
             return Plan(BUCKET, ENCODER, FINISHER, ENCODER, FINITE,
-                        rounds=tuple(b.codec.push_rounds(b.size, n)))
+                        rounds=tuple(b.codec.push_rounds(b.size, n)),
+                        measure=residual_watch.due(b.codec))
         serial = self.cttab.phase == "warmup"
         self.place(b, step)
         if not (compress and self.compressed(b, step)):
@@ -327,7 +331,7 @@ class Planner:
         # it), the same on every worker, so every worker exchanges the same rounds.
         rounds, wire_class = tuple(codec.push_rounds(b.size, n)), codec.wire_class
         traits = codec.traits
-        if b.device is not None:
+        if b.device is not None:  # its residual may be on the device: not watched
             return Plan(COMPRESSED, DEVICE, DEVICE, DEVICE, FINITE, serial, rounds, wire_class,
                         optimizer_view=traits.wants_optimizer)
         # After warm-up (whose timings include the decode) the SGD kernel decodes the
@@ -345,7 +349,7 @@ class Planner:
                 encode = LOCAL_UPDATE if pieces is None else PIECES
         return Plan(COMPRESSED, encode, UPDATE if in_update else FINISHER, grad_check,
                     FINITE_IN_RANGE if in_update else FINITE, serial, rounds, wire_class,
-                    pieces, traits.wants_optimizer)
+                    pieces, traits.wants_optimizer, residual_watch.due(codec))
 
     def _pieces(self, b, rounds, wire_class):
         """The Pieces a push encoded in its local update is encoded and sent as, one by

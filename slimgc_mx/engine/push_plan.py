@@ -53,6 +53,8 @@ class Plan:
     pieces: Optional[tuple] = None  # PIECES: the grad_buf.Piece each operator encodes
     optimizer_view: bool = False  # the encoder reads the optimizer's view of the key, which
     #                               the aggregator hands the codec before the push
+    measure: bool = False  # the residual watch samples this push: its encoder adds the
+    #                        norms, the finisher judges them (residual_watch.py)
 
     @property
     def compressed(self):
