@@ -13,7 +13,7 @@ from mxnet import autograd, gluon
 import slimgc_mx
 import training_helpers as th
 from slimgc_mx import codecs
-from slimgc_mx.engine.aggregator import Aggregator
+from slimgc_mx.engine.stages import Stages
 from slimgc_mx.mxnet.framework import MXNetFramework
 from slimgc_mx.codecs.base import NonFiniteGradientError, kernels
 from slimgc_mx.mxnet.kvstore import SlimGC
@@ -90,7 +90,7 @@ def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, 
     """Two workers with backup: the local update encoding in its pass gives the weights of
     the local update and the encoder thread run one after the other."""
     encoders, sources = [], []
-    original, source_of = Aggregator._fused_encoder, MXNetFramework.gradient
+    original, source_of = Stages.in_local_update, MXNetFramework.gradient
 
     def counted(self, transfer):
         encoder = original(self, transfer)
@@ -102,7 +102,7 @@ def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, 
         sources.append(type(source))
         return grad, source
 
-    monkeypatch.setattr(Aggregator, "_fused_encoder", counted)
+    monkeypatch.setattr(Stages, "in_local_update", counted)
     monkeypatch.setattr(MXNetFramework, "gradient", recorded)
     run = dict(compressor=name, codec_options=options, threshold=0.01, comm_threshold=256,
                warmup_steps=2)
@@ -110,7 +110,7 @@ def test_training_weights_are_bitwise_those_of_the_separate_passes(monkeypatch, 
     assert sum(encoders) > 0  # the 32x12 weight went compressed, encoded by the local update
     # Its gradient read where MXNet keeps it, from the push after the layout was probed.
     assert 0 < sources.count(ArrayInPlace) < sum(encoders)
-    monkeypatch.setattr(Aggregator, "_fused_encoder", lambda self, transfer: None)
+    monkeypatch.setattr(Stages, "in_local_update", lambda self, transfer: None)
     separate = th.slimgc_workers(2, lambda: th.dense_net((32, 4), 0), th.batches(12), **run)
     for (w_fused, _), (w_separate, s) in zip(fused, separate):
         assert s["compressed_transfers"] > 0

@@ -4,7 +4,7 @@ import numpy as np
 
 from slimgc_mx import codecs
 from slimgc_mx.engine.grad_buf import KeyBuffers
-from slimgc_mx.engine.offload import _flush_residual
+from slimgc_mx.engine.stages import flush_residual
 from slimgc_mx.transport.host import HostBuffer
 
 
@@ -29,7 +29,7 @@ def key(size=10):
 def test_a_full_precision_push_flushes_the_device_residual():
     b = key()
     np.copyto(b.grad_buf.for_write(), 1.0)
-    _flush_residual(b)
+    flush_residual(b)
     assert b.device.calls == 1
     np.testing.assert_array_equal(b.grad_buf.for_read(), 1.0 + np.arange(10))
     assert not b.residual.for_read().any()

@@ -21,11 +21,11 @@ from .. import codecs, notice
 from . import agreement, backend, lanes32, residual_watch, sgd_rule
 from .backend import Collective, Framework
 from .backup import ModelBackup
-from .grad_buf import FusedEncode, Push, mark_nonfinite
+from .grad_buf import Push
 from .offload import Pipeline, TransferStats
 from .planner import Planner
 from .step_clip import StepClip
-from .push_plan import DEVICE, LOCAL_UPDATE, PIECES
+from .stages import Stages
 from .cttab import CTTab, NEVER
 from ..trace import Trace
 
@@ -64,8 +64,9 @@ class Aggregator:
         self.backup = ModelBackup(cfg.backup, cfg.timeout, framework.arrays)
         framework.on_error(partial(self.backup.fail, where=framework.engine_where))
         self.trace = Trace(cfg.trace, transport.rank) if cfg.trace else None
+        self.stages = Stages(transport)  # each stage at the site its plan names
         self.pipeline = Pipeline(transport, self._finish, self.backup.fail, framework.readiness,
-                                 self.trace)
+                                 self.trace, self.stages)
         self.planner = Planner(cfg, transport, codec, cttab, framework.new_buffer,
                                framework.device_codec, self.backup.wait_version, self.name_of,
                                self.lanes32)
@@ -183,10 +184,10 @@ class Aggregator:
             if transfer.plan.optimizer_view:
                 b.codec.set_optimizer_view(self.update.codec_view(
                     b.index, self.backup.glo_buffer(key), settings))
-        encoder = self._fused_encoder(transfer)
+        encoder = self.stages.in_local_update(transfer)
         grad, source = self.framework.gradient(
             b, grads, encoder is not None,
-            device_encoded=transfer is not None and transfer.plan.encode == DEVICE)
+            device_encoded=not self.stages.reads_gradient(transfer))
         if push.local:
             self.params_local = True
             start = time.perf_counter()
@@ -208,16 +209,6 @@ class Aggregator:
             if not self.framework.arrays.can_hold:
                 self.send_pending()  # it waits below: a bucket must not wait for later keys
             self.backup.write_back(key, step + 1, outs)
-
-    def _fused_encoder(self, transfer):
-        """The FusedEncode with which the local update encodes `transfer`'s bit_buf in its
-        pass over the gradient (whole, or piece by piece), where the plan encodes it there;
-        else None."""
-        if transfer is None or transfer.plan.encode not in (LOCAL_UPDATE, PIECES):
-            return None
-        return FusedEncode(transfer.buffers, transfer.exchange.send, self.num_workers,
-                           self.transport.rank, transfer.check, transfer.plan.pieces,
-                           transfer.plan.measure)
 
     def _push_sum(self, key, b, step, grads, priority):
         """No optimizer: the sum over contexts and workers becomes the key's value."""
@@ -251,16 +242,9 @@ class Aggregator:
         return step
 
     def _submit(self, transfer, grad=None):
-        """Queue `transfer` in the pipeline; where its plan encodes on the device, encode
-        first, with the framework's ops on the gradient's own device, on this thread."""
-        if transfer.plan.encode == DEVICE:
-            b, send = transfer.buffers, transfer.exchange.send
-            try:
-                b.device.encode_key(b, grad, self.num_workers, self.transport.rank, send)
-                b.residual_pending = True
-            except codecs.NonFiniteGradientError:
-                mark_nonfinite(send.for_write(), self.transport.rank)
-                transfer.nonfinite = True
+        """Queue `transfer` in the pipeline, encoded first on this thread where its plan
+        encodes on the device (stages.py)."""
+        self.stages.on_device(transfer, grad)
         self.pipeline.submit(transfer)
 
     def send_pending(self):
@@ -285,7 +269,7 @@ class Aggregator:
         # the link carries the larger direction: a gather pulls N slots
         self.cttab.record(transfer.label, transfer.buffers.nbytes, plan.compressed,
                           transfer.t_comm, transfer.t_proc, max(transfer.wire_bytes()),
-                          "device" if plan.encode == DEVICE else "host")
+                          self.stages.place(plan))
         published = [(p.key, p.step, p.local) for p in transfer.pushes]
         if transfer.settings is None:
             self.backup.publish(published, partial(_store_sums, transfer))

@@ -31,8 +31,8 @@ import numpy as np
 from ..codecs import NonFiniteGradientError
 from ..codecs.base import kernels
 from .grad_buf import GradCheck, Push, mark_nonfinite, nonfinite_sender
-from .push_plan import (DEVICE, ENCODER, FINISHER, FINITE_IN_RANGE, LOCAL_UPDATE, PIECES,
-                        Plan)
+from .push_plan import DEVICE, FINITE_IN_RANGE, LOCAL_UPDATE, PIECES, Plan
+from .stages import Stages
 
 
 #: The trace row of work timed inside MXNet's engine (a streamed push's piece encodes).
@@ -131,8 +131,9 @@ class Transfer:
 class Pipeline:
     """Runs transfers through encoder -> communicator -> finisher threads."""
 
-    def __init__(self, transport, finish, on_error, notifier=None, trace=None):
+    def __init__(self, transport, finish, on_error, notifier=None, trace=None, stages=None):
         self.transport = transport
+        self.stages = stages or Stages(transport)  # encode and decode at the plan's sites
         self.trace = trace  # a trace.Trace recording each stage's spans, or None
         self._notifier = notifier
         self._finish = finish
@@ -232,86 +233,8 @@ class Pipeline:
 
     def _encode(self, t):
         start = time.perf_counter()
-        self._encode_one(t)
+        self.stages.encode(t)
         self._span("encode", start, t)
-
-    def _encode_one(self, t):
-        """What is sent made ready where the plan encodes it (Plan.encode)."""
-        site = t.plan.encode
-        if site is None:
-            self._check_full_precision(t)
-        elif site == ENCODER:
-            self._encode_here(t)
-        elif site == LOCAL_UPDATE:
-            self._encoded_in_local_update(t)
-        elif site == PIECES:  # engine operators encode its pieces; the transport sends each
-            t.buffers.residual_pending = True
-        else:  # DEVICE: encoded on the training thread
-            t0 = time.perf_counter()
-            t.exchange.send.for_read()
-            self._split(t)
-            t.t_proc += time.perf_counter() - t0
-
-    def _check_full_precision(self, t):
-        """fp_buf (grad_buf itself) goes as it is: flush residuals a compressed route left,
-        and send NaN naming this worker when the gradient holds NaN/Inf."""
-        b = t.buffers
-        for push in t.pushes:
-            if push.buffers.residual_pending:
-                _flush_residual(push.buffers)
-        grad = b.grad_buf.for_read()
-        if kernels().count_nonfinite(grad, 1 if grad.size < 1 << 16 else 2):
-            mark_nonfinite(b.grad_buf.for_write(), self.transport.rank)
-            t.nonfinite = True
-
-    def _encoded_in_local_update(self, t):
-        """bit_buf was encoded by the local update (grad_buf.FusedEncode): take its report."""
-        check = t.check
-        if not check.encoded:  # its operator failed, or never ran: encode here
-            if check.error is not None:
-                raise check.error
-            self._encode_here(t)
-            return
-        t.buffers.residual_pending = True
-        t.t_proc += check.seconds
-        if check.nonfinite:
-            mark_nonfinite(t.exchange.send.for_write(), self.transport.rank)
-            t.nonfinite = True
-        self._split(t)
-
-    def _encode_here(self, t):
-        """The codec encodes grad_buf into bit_buf; its own pre-check finds NaN/Inf unless
-        the local update has counted them (Plan.grad_check LOCAL_UPDATE)."""
-        b = t.buffers
-        grad, residual, lanes = (b.grad_buf.for_read(), b.residual.for_write(),
-                                 t.exchange.send.for_write())
-        counted = t.check.nonfinite if t.plan.grad_check == LOCAL_UPDATE else None
-        t0 = time.perf_counter()
-        try:
-            if t.plan.measure:
-                b.watch.add(grad, residual)
-            if counted:
-                raise NonFiniteGradientError("the local update counted NaN/Inf in grad_buf")
-            b.codec.encode(grad, residual, self.transport.num_workers, out=lanes,
-                           grad_checked=counted == 0, rank=self.transport.rank)
-            b.residual_pending = True
-        except NonFiniteGradientError:
-            mark_nonfinite(lanes, self.transport.rank)
-            t.nonfinite = True
-        self._split(t)
-        t.t_proc += time.perf_counter() - t0
-
-    def _split(self, t):
-        """float32 lanes: the round's float64 lanes into the float32 lanes that travel
-        (a worker with a non-finite gradient sends NaN naming its rank, as in float64)."""
-        wire = t.exchange.lanes32
-        if wire is None:
-            return
-        out = wire.send.for_write()
-        if t.nonfinite:
-            mark_nonfinite(out, self.transport.rank)
-        else:
-            wire.layout.split(t.exchange.send.for_read(), out, self.transport.rank)
 
     def _join(self, t):
         """float32 lanes: the summed float32 lanes back into the round's float64 sum (a
@@ -375,30 +298,13 @@ class Pipeline:
                 self._span("encode", begin, t, end=end, thread=ENGINE_ROW, piece=i)
         if self._advance(t):
             return True
-        self._decode(t)
+        start = time.perf_counter()
+        if self.stages.decode(t):
+            self._span("decode", start, t)
         start = time.perf_counter()
         self._finish(t)
         self._span("global update", start, t)
         return False
-
-    def _decode(self, t):
-        """The sum decoded into agg where the plan decodes it here (Plan.decode FINISHER or
-        DEVICE); UPDATE leaves it to the global update, and a full-precision sum is agg."""
-        site = t.plan.decode
-        if site != FINISHER and site != DEVICE:
-            return
-        b, n = t.buffers, self.transport.num_workers
-        start = time.perf_counter()
-        if site == DEVICE:
-            t0 = time.perf_counter()
-            b.device.decode_key(b, n, t.exchange.recv)
-            b.agg.for_read()
-        else:
-            lanes, agg = t.exchange.recv.for_read(), b.agg.for_write()
-            t0 = time.perf_counter()
-            b.codec.decode(lanes, b.size, n, out=agg)
-        t.t_proc += time.perf_counter() - t0
-        self._span("decode", start, t)
 
     def _span(self, stage, start, t, end=None, **args):
         """Record `stage` of transfer t from `start` to `end` (default now), when tracing."""
@@ -447,17 +353,6 @@ class Pipeline:
                 t.lanes_checked = True
                 return bool(np.isfinite(values[body:]).all())
         return bool(np.isfinite(values).all())
-
-
-def _flush_residual(b):
-    """grad_buf += residual, memory = 0: the key left the compressed route, and the error
-    feedback it kept goes out with this full-precision push (codecs/feedback.py); further
-    per-worker state after the residual (dgc's velocity) starts again from zero."""
-    grad = b.grad_buf.for_write()
-    memory = b.host_residual().for_write()
-    np.add(grad, memory[:grad.size], out=grad)
-    memory.fill(0)
-    b.residual_pending = False
 
 
 @dataclass

@@ -2,17 +2,17 @@
 the sum is decoded and where the gradient and the sum are checked for NaN/Inf.
 
 Planner.plan decides it once per push, from the CTTab's route and placement, the warm-up,
-the codec, the local update and the transport; the aggregator, the pipeline and the global
-update only read it, each site of the work in one place that dispatches on it:
+the codec, the local update and the transport; stages.py is the one place that reads the
+sites and runs each stage there:
 
-    encode   ENCODER       Pipeline._encode_one: the codec on the encoder thread
-             LOCAL_UPDATE  Aggregator._fused_encoder: a grad_buf.FusedEncode that the local
+    encode   ENCODER       Stages.encode: the codec on the encoder thread
+             LOCAL_UPDATE  Stages.in_local_update: a grad_buf.FusedEncode that the local
                            update runs in its pass over the gradient
              PIECES        the same, one engine operator per piece (a streamed push)
-             DEVICE        Aggregator._submit: the device codec on the training thread
-    decode   FINISHER      Pipeline._decode: the codec on the finisher thread
+             DEVICE        Stages.on_device: the device codec on the training thread
+    decode   FINISHER      Stages.decode: the codec on the finisher thread
              UPDATE        sgd_rule.prepare_decode: the SGD kernel decodes inside its update
-             DEVICE        Pipeline._decode: the device codec
+             DEVICE        Stages.decode: the device codec
 """
 from dataclasses import dataclass
 from typing import Optional, Tuple

@@ -12,7 +12,8 @@ before runpy runs it, and warn.
 from ..env import ENGINE_THREADS_VAR, WORKER_ENGINE_THREADS
 from .cli import build_parser, main, parse_args
 from .job import LaunchedJob, describe_status, exit_code
-from .plan import LaunchError, StartError, Task, build_plan, omp_threads, plural, read_hostfile
+from .errors import LaunchError, StartError
+from .plan import Task, build_plan, omp_threads, plural, read_hostfile
 from .runners import LocalRunner, Runner, SshRunner
 
 __all__ = ["ENGINE_THREADS_VAR", "WORKER_ENGINE_THREADS", "LaunchError", "LaunchedJob",

@@ -9,7 +9,8 @@ from typing import List, Optional
 from ..env import SERVER_ENV_TEXT, ssh_program
 from .command import RUN_MODULE, prepare
 from .job import NEVER_JOINED_STATUS, LaunchedJob, describe_status
-from .plan import LaunchError, StartError, build_plan, plan_again, plural
+from .errors import LaunchError, StartError
+from .plan import build_plan, plan_again, plural
 from .runners import shell_command
 
 log = logging.getLogger("slimgc_mx.launch")

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .plan import LaunchError
+from .errors import LaunchError
 
 RUN_MODULE = "slimgc_mx.run"
 BARE_PYTHONS = ("python", "python3")

@@ -10,7 +10,8 @@ import time
 from typing import List, Optional
 
 from ..env import RANK_MARKER_PATTERN
-from .plan import StartError, Task
+from .errors import StartError
+from .plan import Task
 
 log = logging.getLogger("slimgc_mx.launch")
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..env import (ENGINE_THREADS_VAR, LAUNCH_INDEX_VAR, SERVER_ENV, TERMINAL_VAR,
                    WORKER_ENGINE_THREADS, available_cpus)
-from .errors import LaunchError, StartError
+from .errors import LaunchError
 from .runners import LocalRunner, Runner, SshRunner
 
 log = logging.getLogger("slimgc_mx.launch")
