@@ -250,3 +250,27 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
     assert _internal_imports(str(path), "slimgc_mx.engine.x") >= {"slimgc_mx.torch",
                                                                   "slimgc_mx.torch.optimizer"}
     assert _layer("slimgc_mx.torch.optimizer") > _layer("slimgc_mx.engine.x")
+
+
+def test_a_plans_sites_are_read_in_one_place():
+    """Where each stage of a push runs (Plan.encode, decode, grad_check) is read by
+    engine/stages.py alone; the planner writes it and push_plan.py defines it."""
+    readers = set()
+    for root, dirs, files in os.walk(os.path.join(ROOT, "slimgc_mx")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr in ("encode", "decode",
+                                                                     "grad_check"):
+                    owner = node.value
+                    if (isinstance(owner, ast.Attribute) and owner.attr == "plan"
+                            or isinstance(owner, ast.Name) and owner.id == "plan"):
+                        readers.add(os.path.relpath(path, ROOT).replace(os.sep, "/"))
+    assert "slimgc_mx/engine/stages.py" in readers
+    assert readers <= {"slimgc_mx/engine/stages.py", "slimgc_mx/engine/planner.py",
+                       "slimgc_mx/engine/push_plan.py"}, readers

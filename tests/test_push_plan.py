@@ -13,6 +13,7 @@ from slimgc_mx.engine.config import SlimGCConfig
 from slimgc_mx.engine.grad_buf import FusedEncode, Push
 from slimgc_mx.engine.offload import Pipeline, Transfer
 from slimgc_mx.engine.planner import Planner
+from slimgc_mx.engine.stages import Stages
 from slimgc_mx.engine.push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
                                  FINITE_IN_RANGE, FULL, LOCAL_UPDATE, PIECES, UPDATE, Plan)
 from slimgc_mx.engine.cttab import CTTab
@@ -163,7 +164,7 @@ def test_a_key_placed_on_the_device_is_encoded_checked_and_decoded_there():
     transfer = planner.transfer(Push("w", b, 0, local=True), object(), lambda b: True,
                                 local_kernel=True)
     assert transfer.plan == plan and transfer.check is None
-    assert transfer.ready_array() is transfer.exchange.send  # encoded on the training thread
+    assert Stages.ready_array(transfer) is transfer.exchange.send  # encoded on the training thread
 
 
 def test_the_plan_is_immutable_and_the_transfer_holds_no_route_flags():

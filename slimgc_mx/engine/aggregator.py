@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 
 from .. import codecs, notice
-from . import agreement, backend, lanes32, residual_watch, sgd_rule
+from . import agreement, backend, lanes32, residual_watch, stages
 from .backend import Collective, Framework
 from .backup import ModelBackup
 from .grad_buf import Push
@@ -276,7 +276,7 @@ class Aggregator:
             return
         clipped = self.clip.take(transfer)
         if clipped is not None:  # held until the step's norm is known; its norm needs agg
-            sgd_rule.prepare_decode(transfer, self.num_workers, kernel=False)
+            stages.decode_in_update(transfer, self.num_workers, kernel=False)
             self.clip.arrive(clipped, transfer, partial(
                 self.backup.publish, published, partial(self.update, transfer, None)))
             return

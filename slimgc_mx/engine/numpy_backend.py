@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import sgd_rule
+from . import sgd_rule, stages
 from ..codecs import OptimizerView
 from ..env import check_num_threads
 from ..transport.host import HostArrays, HostBuffer, HostReadiness
@@ -77,7 +77,7 @@ class SGDUpdate:
 
     @staticmethod
     def prepare(transfer, num_workers):
-        return sgd_rule.prepare_decode(transfer, num_workers)
+        return stages.decode_in_update(transfer, num_workers)
 
     def __call__(self, transfer, table, glos):
         step = transfer.settings

@@ -31,7 +31,7 @@ import numpy as np
 from ..codecs import NonFiniteGradientError
 from ..codecs.base import kernels
 from .grad_buf import GradCheck, Push, mark_nonfinite, nonfinite_sender
-from .push_plan import DEVICE, FINITE_IN_RANGE, LOCAL_UPDATE, PIECES, Plan
+from .push_plan import FINITE_IN_RANGE, Plan
 from .stages import Stages
 
 
@@ -79,14 +79,6 @@ class Transfer:
     round: int = 0  # the exchange under way: a position in plan.rounds
     round_start: Optional[float] = None  # when the exchange under way was started
     lanes_checked: bool = False  # the sum's digit lanes were found in range (FINITE_IN_RANGE)
-
-    def ready_array(self):
-        """The host array the transfer waits for before it enters (its producer's output)."""
-        if self.plan.grad_check == LOCAL_UPDATE:
-            return self.check.ready
-        if self.plan.encode == DEVICE:
-            return self.exchange.send  # encoded on the training thread
-        return self.buffers.grad_buf
 
     @property
     def exchange(self):
@@ -155,7 +147,7 @@ class Pipeline:
             self._threads.append(t)
 
     def submit(self, transfer):
-        """Queue `transfer` once its ready_array() is written; at once when streamed, or
+        """Queue `transfer` once its Stages.ready_array() is written; at once when streamed, or
         serial under a readiness that may reorder (MXNet's: its engine makes the encoder's
         read wait instead), so that serial transfers keep the trainer's key order."""
         if self.error is not None:
@@ -164,10 +156,10 @@ class Pipeline:
             self._pending += 1
         self.transport.announce(transfer.wire_keys())
         ordered = getattr(self._notifier, "ordered", False)
-        if transfer.plan.encode == PIECES or (transfer.plan.serial and not ordered):
+        if self.stages.streamed(transfer.plan) or (transfer.plan.serial and not ordered):
             self._queues[0].put(transfer)
         else:
-            self._notifier.when_readable(transfer.ready_array(),
+            self._notifier.when_readable(self.stages.ready_array(transfer),
                                          lambda: self._queues[0].put(transfer),
                                          transfer.priority)
 
@@ -273,7 +265,7 @@ class Pipeline:
                 t.handle = self.transport.gather(wire, send, recv, t.priority)
             else:
                 t.handle = self.transport.push_pull(wire, send, recv, t.priority,
-                                                    in_pieces=t.plan.encode == PIECES)
+                                                    in_pieces=self.stages.streamed(t.plan))
             if not t.plan.serial:
                 return
             t.handle.wait()
@@ -289,7 +281,7 @@ class Pipeline:
             t.t_comm = time.perf_counter() - t.t_start if t.handle.elapsed is None \
                 else (t.t_comm or 0.0) + t.handle.elapsed
         self._span("transfer", t.round_start, t, round=t.round)
-        if t.plan.encode == PIECES:  # every piece's operator has run: its pull followed its push
+        if self.stages.streamed(t.plan):  # every piece's operator has run: its pull followed its push
             if t.check.error is not None:
                 raise t.check.error
             t.nonfinite = bool(t.check.nonfinite)
@@ -377,4 +369,4 @@ class TransferStats:
         self.compress_s += t.t_proc
         self.transfers += 1
         self.compressed_transfers += int(t.plan.compressed)
-        self.streamed_transfers += int(t.plan.encode == PIECES)
+        self.streamed_transfers += int(Stages.streamed(t.plan))

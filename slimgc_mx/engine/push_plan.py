@@ -11,7 +11,7 @@ sites and runs each stage there:
              PIECES        the same, one engine operator per piece (a streamed push)
              DEVICE        Stages.on_device: the device codec on the training thread
     decode   FINISHER      Stages.decode: the codec on the finisher thread
-             UPDATE        sgd_rule.prepare_decode: the SGD kernel decodes inside its update
+             UPDATE        stages.decode_in_update: the SGD kernel decodes inside its update
              DEVICE        Stages.decode: the device codec
 """
 from dataclasses import dataclass

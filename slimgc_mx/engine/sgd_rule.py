@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs.base import kernels
-from .push_plan import UPDATE
 
 
 @dataclass(frozen=True)
@@ -28,22 +27,6 @@ class SGDStep:
 def clip_bound(clip_gradient):
     """SGDStep.clip of an optimizer's clip_gradient: None or 0 (no clipping) becomes -1."""
     return float(clip_gradient) if clip_gradient else -1.0
-
-
-def prepare_decode(transfer, num_workers, kernel=True):
-    """What the global update needs of a transfer whose plan decodes its sum in the update
-    (push_plan.UPDATE): the codec's decode table (k, m, rows) for global_step_decoding, or
-    None, with the aggregate decoded into agg, when no kernel runs the update (the optimizer
-    changed since the push was planned). Decoding the table advances the codec's shared
-    state, as decode does."""
-    if transfer.plan.decode != UPDATE:
-        return None
-    b = transfer.buffers
-    lanes = transfer.exchange.recv.for_read()
-    if kernel:
-        return b.codec.decode_table(lanes, b.size, num_workers)
-    b.codec.decode(lanes, b.size, num_workers, out=b.agg.for_write())
-    return None
 
 
 def global_step(step, grad, weight, mom, num_threads):

@@ -12,7 +12,9 @@ them and runs each stage at its site, one entry point per thread:
                                        local update's report taken (LOCAL_UPDATE, PIECES),
                                        float32 lanes split (any compressed site)
     finisher thread   decode           the sum decoded into agg (FINISHER, DEVICE); UPDATE
-                                       leaves it to the global update (sgd_rule.prepare_decode)
+                                       leaves it to the global update (decode_in_update)
+    any thread        ready_array      what a transfer waits for before it enters
+                      streamed         whether its pieces are sent as they are encoded
 """
 import time
 
@@ -21,7 +23,7 @@ import numpy as np
 from ..codecs import NonFiniteGradientError
 from ..codecs.base import kernels
 from .grad_buf import FusedEncode, mark_nonfinite
-from .push_plan import DEVICE, ENCODER, FINISHER, LOCAL_UPDATE, PIECES
+from .push_plan import DEVICE, ENCODER, FINISHER, LOCAL_UPDATE, PIECES, UPDATE
 
 
 class Stages:
@@ -34,6 +36,22 @@ class Stages:
     def place(plan):
         """Where the plan compresses, as the CTTab's placement names it: 'device' or 'host'."""
         return "device" if plan.encode == DEVICE else "host"
+
+    @staticmethod
+    def streamed(plan):
+        """True when engine operators encode the push piece by piece (PIECES) and the
+        transport sends each piece as soon as it is encoded."""
+        return plan.encode == PIECES
+
+    @staticmethod
+    def ready_array(t):
+        """The host array a transfer waits for before it enters the pipeline: the output of
+        the stage that produces what it sends (Plan.grad_check, Plan.encode)."""
+        if t.plan.grad_check == LOCAL_UPDATE:
+            return t.check.ready
+        if t.plan.encode == DEVICE:
+            return t.exchange.send  # encoded on the training thread
+        return t.buffers.grad_buf
 
     # -- the training thread -------------------------------------------------------------
     @staticmethod
@@ -163,6 +181,22 @@ class Stages:
             b.codec.decode(lanes, b.size, n, out=agg)
         t.t_proc += time.perf_counter() - t0
         return True
+
+
+def decode_in_update(transfer, num_workers, kernel=True):
+    """What the global update needs of a transfer whose plan decodes its sum in the update
+    (push_plan.UPDATE): the codec's decode table (k, m, rows) for the kernel, or None, with
+    the aggregate decoded into agg, when no kernel runs the update (the optimizer changed
+    since the push was planned); None for any other plan. Decoding the table advances the
+    codec's shared state, as decode does."""
+    if transfer.plan.decode != UPDATE:
+        return None
+    b = transfer.buffers
+    lanes = transfer.exchange.recv.for_read()
+    if kernel:
+        return b.codec.decode_table(lanes, b.size, num_workers)
+    b.codec.decode(lanes, b.size, num_workers, out=b.agg.for_write())
+    return None
 
 
 def flush_residual(b):

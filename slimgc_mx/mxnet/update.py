@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
-from ..engine import sgd_rule
+from ..engine import stages
 from ..codecs import OptimizerView
 from . import sgd
 from .buffers import copy_array
@@ -284,7 +284,7 @@ class GlobalUpdate:
         """What update() needs of a transfer, read before it waits for the loc_buf flag.
         Without the kernel (set_optimizer left SGD since this transfer was planned) the
         sum is decoded, then updated."""
-        return sgd_rule.prepare_decode(transfer, num_workers, self.kernel is not None)
+        return stages.decode_in_update(transfer, num_workers, self.kernel is not None)
 
     def __call__(self, transfer, table, glos):
         """Write the new global weights of the transfer's keys into `glos` (Buffers)."""

@@ -15,7 +15,7 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from ..engine import sgd_rule
+from ..engine import stages
 from ..codecs.base import kernels
 from ..env import check_num_threads
 from ..transport.host import HostBuffer, HostReadiness
@@ -125,7 +125,7 @@ class TorchUpdate:
         None (the sum decoded into agg, where the plan decodes in the update)."""
         index = transfer.pushes[0].buffers.index
         kernel = self._kernel(transfer.settings.groups[self._group_of[index]], num_workers)
-        return sgd_rule.prepare_decode(transfer, num_workers, kernel is not None)
+        return stages.decode_in_update(transfer, num_workers, kernel is not None)
 
     def _kernel(self, group, div=1.0):
         """The TorchSGD kernel of one param group's settings (pairs), or None where the
