@@ -271,6 +271,14 @@ class Codec:
         self.optimizer_view = None  # an OptimizerView, for a codec that wants_optimizer
         self._cache = {}
 
+    def compensated(self, grad, residual):
+        """c = grad + residual (the error feedback's compensate), or NonFiniteGradientError
+        naming where the NaN/Inf are, before anything is written: a reference's first step."""
+        c = self.feedback.compensate(grad, residual)
+        if not np.isfinite(c).all():
+            raise_nonfinite(grad, residual)
+        return c
+
     def check_options(self):
         """Refuse a combination of options known not to train (ValueError naming the
         option, why and the fix); called once the options are parsed."""

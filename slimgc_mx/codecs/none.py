@@ -1,7 +1,7 @@
 """none: full-precision passthrough; the lanes are the float32 gradient itself."""
 import numpy as np
 
-from .base import Traits, check_num_workers, kernels, raise_nonfinite
+from .base import Traits, check_num_workers, kernels
 from .lanes import LaneCodec
 from .registry import register
 
@@ -42,7 +42,5 @@ class NoneReference(NoneCodec):
     TRAITS = Traits(reference=True)
 
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
-        c = self.feedback.compensate(grad, residual)
-        if not np.isfinite(c).all():
-            raise_nonfinite(grad, residual)
+        self.compensated(grad, residual)  # NaN/Inf refused before anything is written
         self.feedback.flush(grad, residual, out)

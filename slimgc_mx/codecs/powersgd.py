@@ -244,9 +244,7 @@ class PowerSGDReference(PowerSGD):
     TRAITS = Traits(reference=True)
 
     def _compensate(self, grad, residual, out, grad_checked):
-        c = self.feedback.compensate(grad, residual)
-        if not np.isfinite(c).all():
-            raise_nonfinite(grad, residual)
+        c = self.compensated(grad, residual)
         residual[...] = c
 
     def _outer(self, x, p, q, subtract):

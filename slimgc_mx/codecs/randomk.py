@@ -126,9 +126,7 @@ class RandomKReference(RandomK):
     TRAITS = Traits(reference=True)
 
     def _encode_into(self, grad, residual, out, grad_checked):
-        c = self.feedback.compensate(grad, residual)
-        if not np.isfinite(c).all():
-            raise_nonfinite(grad, residual)
+        c = self.compensated(grad, residual)
         idx = strata_indices(self.push_seed(), c.shape[0], out.shape[0])
         out[...] = c[idx]
         sent = np.zeros_like(c)

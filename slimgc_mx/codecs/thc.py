@@ -216,9 +216,7 @@ class THCReference(LaneReference, THC):
     def _encode_into(self, grad, residual, out, radix, k, grad_checked=False, local=None):
         if not self.hadamard:
             return LaneReference._encode_into(self, grad, residual, out, radix, k)
-        c = self.feedback.compensate(grad, residual)
-        if not np.isfinite(c).all():
-            raise_nonfinite(grad, residual)
+        c = self.compensated(grad, residual)
         n = c.shape[0]
         with np.errstate(over="ignore", invalid="ignore"):
             y = self._rotate(c, padded_size(n))

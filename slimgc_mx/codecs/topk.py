@@ -251,9 +251,7 @@ class SparseReference:
 @register(reference=True)
 class TopKReference(SparseReference, TopK):
     def _encode_into(self, grad, residual, out, k, num_workers, grad_checked):
-        c = self.feedback.compensate(grad, residual)
-        if not np.isfinite(c).all():
-            raise_nonfinite(grad, residual)
+        c = self.compensated(grad, residual)
         sent = largest(np.abs(c), k)
         write_slot(out, c[sent], sent, k, grad.shape[0], self.index_bits)
         residual[...] = c
