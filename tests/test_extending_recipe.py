@@ -224,7 +224,8 @@ GENERATED = {"cython_ext/layout.pxd"}
 #: call (`optimizer.step()`, `scaler.step(...)`), as importable dotted names; `self.` is a
 #: codec's own option. Each resolves only where its framework imports.
 ALIASES = {"mx": "mxnet", "nd": "mxnet.ndarray", "gluon": "mxnet.gluon",
-           "trainer": "mxnet.gluon.Trainer", "dist": "torch.distributed",
+           "trainer": "mxnet.gluon.Trainer", "Module": "mxnet.module.Module",
+           "dist": "torch.distributed",
            "Tensor": "torch.Tensor", "tensor": "torch.Tensor", "model": "torch.nn.Module",
            "scaler": "torch.amp.GradScaler",
            "DistributedDataParallel": "torch.nn.parallel.DistributedDataParallel",
