@@ -1,9 +1,12 @@
-"""The environment: every variable slimgc_mx reads, and the only module that reads them.
+"""The environment: every variable the library reads, and the only module of the library
+that reads them (the experiments, slimgc_mx/bench/ and scripts/, read their jobs' own).
 
 Standard library only, so the launcher and the kvstore share one list of names.
 Variables are read when asked for (not at import), from `environ` when given; the
-launcher and the benchmarks only write variables for the processes they start.
+launcher and the benchmarks only write variables for the processes they start, or pass
+their whole environment on to them.
 """
+import collections
 import numbers
 import os
 
@@ -53,6 +56,18 @@ SERVER_ENV_TEXT = " ".join("%s=%s" % item for item in SERVER_ENV.items())
 
 def _environ(environ):
     return os.environ if environ is None else environ
+
+
+def is_set(name, environ=None):
+    """True when variable `name` is set, blank included (the launcher then leaves it to the
+    caller: OMP_NUM_THREADS, MXNet's engine threads)."""
+    return name in _environ(environ)
+
+
+def value(name, default=None, environ=None):
+    """The value of variable `name` as set, or `default` (what the launcher's `--env NAME`
+    forwards)."""
+    return _environ(environ).get(name, default)
 
 
 def env_count(name, unset_hint, environ=None):
@@ -188,3 +203,34 @@ def bigarray_bound(default, environ=None):
         raise ValueError("%s=%r: expected a positive number of elements (unset it to use %d)"
                          % (BIGARRAY_BOUND_VAR, raw, default))
     return bound
+
+
+# ---------------------------------------------------------------- torch.distributed's job
+
+#: torch.distributed's variables, as torchrun sets them.
+TORCH_DIST_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: Set by torchrun: its agent hosts the store, and the count of restarts so far.
+TORCH_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+TORCH_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+
+#: A torch.distributed job's rendezvous as torchrun describes it (torch_rendezvous()).
+TorchRendezvous = collections.namedtuple(
+    "TorchRendezvous", "rank world_size master_addr master_port agent_store attempt")
+
+
+def torch_launched(environ=None):
+    """True when a launcher set torch.distributed's WORLD_SIZE (else: a job of one)."""
+    return "WORLD_SIZE" in _environ(environ)
+
+
+def torch_rendezvous(environ=None):
+    """The TorchRendezvous of torchrun's variables; a RuntimeError names those unset."""
+    env = _environ(environ)
+    missing = [v for v in TORCH_DIST_VARS if v not in env]
+    if missing:
+        raise RuntimeError("torch.distributed's variables %s are not set: start the job with "
+                           "torchrun (or set them)" % ", ".join(missing))
+    return TorchRendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"],
+                           int(env["MASTER_PORT"]),
+                           env.get(TORCH_AGENT_STORE_VAR, "").lower() == "true",
+                           env.get(TORCH_RESTART_VAR, "0"))

@@ -1,5 +1,7 @@
 """env.py is the only reader of the environment: no other module of the package reads a
-SLIMGC_* variable, and the project's own variables are not warned about as unknown options."""
+SLIMGC_* variable, no other module of the library (the package but its experiments,
+slimgc_mx/bench/) reads any variable, and the project's own variables are not warned about
+as unknown options."""
 import ast
 import os
 import warnings
@@ -93,6 +95,83 @@ def test_no_module_but_env_reads_a_slimgc_variable():
                 lines = slimgc_reads(f.read())
             found += ["%s:%d" % (os.path.relpath(path, PACKAGE), n) for n in lines]
     assert found == [], "read SLIMGC_* through slimgc_mx/env.py instead: %s" % found
+
+
+#: The experiments: they may read their jobs' own variables (docs/architecture.md).
+EXPERIMENTS = os.path.join(PACKAGE, "bench")
+
+
+def _copies_whole(node, parents):
+    """True when os.environ at `node` is copied whole into a child's environment:
+    `{**os.environ, ...}` or `dict(os.environ, ...)`."""
+    parent = parents.get(node)
+    if isinstance(parent, ast.Dict) and None in parent.keys and \
+            parent.values[parent.keys.index(None)] is node:
+        return True
+    return (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name)
+            and parent.func.id == "dict" and parent.args[:1] == [node])
+
+
+def environ_reads(source):
+    """Line numbers where `source` reads the environment: any use of os.environ or os.getenv
+    but a write (`os.environ[NAME] = value`) and a whole copy for a child process."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    lines = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == "os" and node.attr in ("environ", "getenv")):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Subscript) and isinstance(parent.ctx, ast.Store):
+            continue
+        if not _copies_whole(node, parents):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_environment_check_finds_every_read():
+    assert environ_reads('import os\nx = os.environ.get("RANK")\n') == [2]
+    assert environ_reads('import os\nif "WORLD_SIZE" not in os.environ:\n    pass\n') == [2]
+    assert environ_reads('import os\nx = int(os.environ["RANK"])\n') == [2]
+    assert environ_reads('import os\nx = os.getenv("HOME")\n') == [2]
+    assert environ_reads('import os\ndef f(e=None):\n    e = os.environ if e is None else e\n'
+                         ) == [3]
+    assert environ_reads('import os\nos.environ["SLIMGC_TRACE"] = "t.json"\n') == []
+    assert environ_reads('import os\nspawn({**os.environ, **extra})\n') == []
+    assert environ_reads('import os\nspawn(dict(os.environ, PYTHONPATH="."))\n') == []
+
+
+def test_no_library_module_but_env_reads_the_environment():
+    """torch's rendezvous variables, the launcher's --env NAME and its OMP_NUM_THREADS and
+    engine-thread checks go through env.py too; a child's environment may copy it whole."""
+    found = []
+    for root, _, files in os.walk(PACKAGE):
+        if root == EXPERIMENTS or root.startswith(EXPERIMENTS + os.sep):
+            continue
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            if not name.endswith(".py") or path == os.path.join(PACKAGE, "env.py"):
+                continue
+            with open(path, encoding="utf-8") as f:
+                lines = environ_reads(f.read())
+            found += ["%s:%d" % (os.path.relpath(path, PACKAGE), n) for n in lines]
+    assert found == [], "read the environment through slimgc_mx/env.py instead: %s" % found
+
+
+def test_torch_rendezvous_and_the_launcher_readers():
+    job = env.torch_rendezvous({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                                "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "3",
+                                "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert job == (1, 2, "h", 29500, True, "3")
+    job = env.torch_rendezvous({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h",
+                                "MASTER_PORT": "1"})
+    assert (job.agent_store, job.attempt) == (False, "0")
+    with pytest.raises(RuntimeError, match="variables MASTER_ADDR, MASTER_PORT are not set"):
+        env.torch_rendezvous({"RANK": "0", "WORLD_SIZE": "1"})
+    assert env.torch_launched({"WORLD_SIZE": "2"}) and not env.torch_launched({})
+    assert env.is_set("X", {"X": ""}) and not env.is_set("X", {})
+    assert env.value("X", environ={"X": "1"}) == "1" and env.value("X", "d", {}) == "d"
 
 
 def test_the_project_variables_are_no_unknown_options(monkeypatch):

@@ -1,7 +1,10 @@
 """docs/extending.md builds and runs: its code blocks form a codec, compiled into a copy of
-the kernels and held to the codec contract; every name architecture.md and extending.md
-cite exists; README's loc_buf formula is the local update's; docs/results.md stays short and
-keeps what other pages cite."""
+the kernels and held to the codec contract; every module path, class and function that
+architecture.md, backend.md, pytorch.md and extending.md cite exists; README's loc_buf
+formula is the local update's; docs/results.md stays short and keeps what other pages cite.
+"""
+import builtins
+import glob
 import importlib
 import importlib.util
 import inspect
@@ -191,17 +194,55 @@ def test_the_ndarray_levels_equal_the_kernel(recipe):
 
 # ---------------------------------------------------------------- cited names
 
-#: `a.b` or `a.b.c`, maybe called (`a.b(x, y)`), in backticks: a module's or a class's member.
-CITED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\([^`]*\))?`")
-#: Prefixes that name MXNet's modules, not ours, or an instance (`self.levels`).
-OUTSIDE = ("mxnet.", "mx.", "gluon.", "nd.", "self.")
+#: The pages whose every cited module path, class and function must exist, and the
+#: frameworks that must import for their adapters' names to resolve.
+PAGES = {"architecture.md": ("mxnet", "torch"), "backend.md": ("mxnet", "torch"),
+         "pytorch.md": ("torch",), "extending.md": ("mxnet",)}
+#: `a.b`, `a.b.c` or `dir/module.b`, maybe called (`a.b(x, y)`), in backticks: a module's
+#: or a class's member.
+CITED = re.compile(r"`([A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)+)(?:\([^`]*\))?`")
+#: A class alone in backticks, maybe called: `Aggregator`, `SlimGC(...)`.
+CITED_CLASS = re.compile(r"`([A-Z]\w*[a-z]\w*)(?:\([^`]*\))?`")
+#: A dotted name of the package anywhere: slimgc_mx.engine.config.SlimGCConfig.
+PACKAGE_NAME = re.compile(r"\bslimgc_mx(?:\.[A-Za-z_]\w*)+")
+#: A dotted name in a plain fenced block (the module tree, the data path).
+DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+#: A file of the repository anywhere on the page: slimgc_mx/engine/planner.py,
+#: mxnet/kvstore.py (from slimgc_mx/), tests/..., scripts/..., cttab.py, codec_<name>.pxi.
+FILE_EXT = ("py", "pyx", "pxi", "pxd", "sh", "md")
+PATH = re.compile(r"(?<![\w./-])((?:[\w<][\w*<>-]*/)*[\w<][\w*<>-]*\.(?:%s))(?![\w/])"
+                  % "|".join(FILE_EXT))
+#: A folder in backticks: `slimgc_mx/mxnet/`, `scripts/`.
+FOLDER = re.compile(r"`((?:[\w.-]+/)+)`")
+#: Where a path the pages give is relative to: the repository, the package, docs/ and
+#: cython_ext/; a bare file name may also be in scripts/, tests/ or a package folder.
+BASES = ("", "slimgc_mx", "docs", "cython_ext")
+BARE_BASES = ("scripts", "tests")
+#: Files a build writes (setup.py: the chunk layout), absent from a fresh checkout.
+GENERATED = {"cython_ext/layout.pxd"}
+#: Names that are not the package's: the frameworks' own API and the instances the pages
+#: call (`optimizer.step()`, `scaler.step(...)`), as importable dotted names; `self.` is a
+#: codec's own option. Each resolves only where its framework imports.
+ALIASES = {"mx": "mxnet", "nd": "mxnet.ndarray", "gluon": "mxnet.gluon",
+           "trainer": "mxnet.gluon.Trainer", "Module": "mxnet.module.Module",
+           "dist": "torch.distributed",
+           "Tensor": "torch.Tensor", "tensor": "torch.Tensor", "model": "torch.nn.Module",
+           "scaler": "torch.amp.GradScaler",
+           "DistributedDataParallel": "torch.nn.parallel.DistributedDataParallel",
+           "GradScaler": "torch.amp.GradScaler", "Protocol": "typing.Protocol",
+           "slimgc": "slimgc_mx.torch",  # pytorch.md: import slimgc_mx.torch as slimgc
+           "optimizer": "slimgc_mx.torch.DistributedOptimizer",
+           "codec": "slimgc_mx.codecs.base.Codec"}
+#: Packages whose dotted names are imported to be checked.
+IMPORTABLE = ("slimgc_mx", "torch", "mxnet", "typing")
+NOT_CODE = ("self.",)
 
 
 def _modules():
-    """{short name: dotted module} of the package (a module, or a package's last part); of
-    modules sharing a short name the shallowest, then the first in order, is meant (codecs,
-    not bench.codecs; mxnet.device, not torch.device)."""
-    out = {"kernels": "slimgc_mx._kernels"}
+    """{short name: [dotted modules]} of the package (a module, or a package's last part),
+    the shallowest first: `framework.TorchUpdate` may be torch/framework.py's while
+    `framework.MXNetFramework` is mxnet/framework.py's."""
+    out = {"kernels": ["slimgc_mx._kernels"]}
     pkg = os.path.dirname(slimgc_mx.__file__)
     found = []
     for root, _, files in os.walk(pkg):
@@ -211,31 +252,38 @@ def _modules():
             rel = os.path.relpath(os.path.join(root, name), os.path.dirname(pkg))[:-3]
             found.append(rel.replace(os.sep, ".").replace(".__init__", ""))
     for dotted in sorted(found, key=lambda d: (d.count("."), d)):
-        out.setdefault(dotted.rsplit(".", 1)[-1], dotted)
+        out.setdefault(dotted.rsplit(".", 1)[-1], []).append(dotted)
     return out
 
 
+def _import(dotted):
+    try:
+        return importlib.import_module(dotted)
+    except ImportError:
+        return None
+
+
 def _classes():
-    """{class name: class} of every module of the package that imports here."""
+    """{class name: [classes]} of every module of the package that imports here."""
     out = {}
-    for dotted in set(_modules().values()):
-        try:
-            module = importlib.import_module(dotted)
-        except ImportError:
-            continue
-        for name, obj in vars(module).items():
-            if inspect.isclass(obj) and obj.__module__.startswith("slimgc_mx"):
-                out.setdefault(name, obj)
+    for dotted in sorted({d for ds in _modules().values() for d in ds}):
+        module = _import(dotted)
+        for name, obj in vars(module or {}).items():
+            if inspect.isclass(obj) and obj.__module__.startswith("slimgc_mx") and \
+                    obj not in out.get(name, []):
+                out.setdefault(name, []).append(obj)
     return out
 
 
 def _has(obj, attr):
-    """getattr, or an attribute its class sets on instances (self.attr = / a field)."""
+    """getattr, or an attribute its class declares (a field, a Protocol's annotation) or
+    sets on instances (self.attr = ...)."""
     if hasattr(obj, attr):
         return True
     if inspect.isclass(obj):
         for cls in obj.__mro__:
-            if attr in getattr(cls, "__dataclass_fields__", {}):
+            if attr in getattr(cls, "__dataclass_fields__", {}) or \
+                    attr in vars(cls).get("__annotations__", {}):
                 return True
             try:
                 src = inspect.getsource(cls)
@@ -262,39 +310,146 @@ def _cython_member(head, attr):
     return False
 
 
-def resolve(reference, modules, classes):
-    """The object `reference` ("module.name", "Class.attr", "module.Class.attr") names, or
-    None; a member of a Cython struct or cdef class resolves to True."""
-    head, *rest = reference.split(".")
-    if len(rest) == 1 and _cython_member(head, rest[0]):
-        return True
-    if head in classes:
-        obj = classes[head]
-    elif head in modules:
-        obj = importlib.import_module(modules[head])
-    else:
-        return None
-    for part in rest:
+def _walk(obj, parts):
+    for part in parts:
         if not _has(obj, part):
             return None
         obj = getattr(obj, part, obj)
     return obj
 
 
-@pytest.mark.parametrize("page", ["architecture.md", "extending.md"])
-def test_every_cited_name_exists(page):
-    pytest.importorskip("mxnet")
-    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
-        text = FILE_BLOCK.sub("", f.read())  # the recipe's own code: built above
+def _dotted(reference):
+    """The object an importable dotted name (slimgc_mx..., torch..., mxnet...) names, or
+    None: its longest importable prefix, then attributes."""
+    parts = reference.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = _import(".".join(parts[:cut]))
+        if module is not None:
+            return _walk(module, parts[cut:])
+    return None
+
+
+def resolve(reference, modules, classes):
+    """The object `reference` names, or None: "module.name", "Class.attr",
+    "module.Class.attr" with a short module name of the package (any module of that name),
+    "dir/module.name" (a file of the package), an importable dotted name, a name of
+    ALIASES, a builtin; a member of a Cython struct or cdef class resolves to True."""
+    head, *rest = reference.split(".")
+    if len(rest) == 1 and _cython_member(head, rest[0]):
+        return True
+    if head in ALIASES:
+        return _dotted(".".join([ALIASES[head]] + rest))
+    if head in IMPORTABLE:
+        return _dotted(reference)
+    if "/" in head:
+        path = os.path.join(ROOT, "slimgc_mx", head + ".py")
+        if not os.path.exists(path):
+            return None
+        return _dotted(".".join(["slimgc_mx"] + head.split("/") + rest))
+    candidates = list(classes.get(head, []))
+    candidates += [m for m in map(_import, modules.get(head, [])) if m is not None]
+    if not rest and hasattr(builtins, head):
+        return True  # TypeError, None
+    for obj in candidates:
+        found = _walk(obj, rest)
+        if found is not None:
+            return found
+    return None
+
+
+def _package_folders():
+    pkg = os.path.join(ROOT, "slimgc_mx")
+    return [os.path.relpath(root, ROOT) for root, dirs, _ in os.walk(pkg)
+            if "__pycache__" not in root]
+
+
+def path_exists(path):
+    """True when the file or folder `path` is the repository's: relative to one of BASES, a
+    bare file name anywhere in BARE_BASES or the package; `<name>` and `*` match any."""
+    pattern = re.sub(r"<\w+>", "*", path)
+    bases = list(BASES)
+    if "/" not in path.rstrip("/"):
+        bases += list(BARE_BASES) + _package_folders()
+    for base in bases:
+        full = os.path.normpath(os.path.join(ROOT, base, pattern))
+        if glob.glob(full) or os.path.relpath(full, ROOT) in GENERATED:
+            return True
+    return False
+
+
+def fenced_blocks(text):
+    """[(language, body)] of the page's fenced code blocks."""
+    blocks, lang, body = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, body = line[3:].strip(), []
+            else:
+                blocks.append((lang, "\n".join(body)))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    return blocks
+
+
+def _tree_paths(block):
+    """The files of a module tree: a folder at the left margin (`slimgc_mx/engine/  ...`),
+    then its files indented by two (`  planner.py   ...`)."""
+    paths, folder = [], None
+    for line in block.splitlines():
+        top = re.match(r"((?:[\w.-]+/)+)(?:\s|$)", line)
+        if top:
+            folder = top.group(1)
+            paths.append(folder)
+            continue
+        if line[:1].strip():
+            folder = None
+        member = re.match(r"  ([\w.-]+\.(?:%s))\s" % "|".join(FILE_EXT), line)
+        if member and folder:
+            paths.append(folder + member.group(1))
+    return paths
+
+
+def cited(text):
+    """{(kind, name)} of what a page cites: ("path", a file or folder), ("name", a dotted
+    name or a class) — backticked names, the package's dotted names anywhere, files anywhere,
+    and the dotted names and files of its plain fenced blocks (module tree, data path)."""
+    text = FILE_BLOCK.sub("", text)  # extending.md's recipe: its own code, built above
+    out = {("path", p) for p in PATH.findall(text) + FOLDER.findall(text)}
+    names = CITED.findall(text) + CITED_CLASS.findall(text) + PACKAGE_NAME.findall(text)
+    for lang, block in fenced_blocks(text):
+        if lang == "":
+            out.update(("path", p) for p in _tree_paths(block))
+            names += DOTTED.findall(block)
+    out.update(("name", n) for n in names
+               if not n.startswith(NOT_CODE) and n.rsplit(".", 1)[-1] not in FILE_EXT)
+    return out
+
+
+def missing(text):
+    """What a page cites that does not exist, sorted."""
     modules, classes = _modules(), _classes()
-    cited = sorted({m for m in CITED.findall(text) if not m.startswith(OUTSIDE)
-                    and not re.fullmatch(r"[\w/]+\.(py|pyx|pxi|md|sh)", m)})
-    assert cited, "no names found: the pattern no longer matches the page"
-    missing = [m for m in cited if resolve(m, modules, classes) is None]
-    assert missing == [], "%s cites names that do not exist: %s" % (page, missing)
+    found = cited(text)
+    return sorted(n for kind, n in found
+                  if not (path_exists(n) if kind == "path" else
+                          resolve(n, modules, classes) is not None))
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_every_cited_name_exists(page):
+    for framework in PAGES[page]:
+        pytest.importorskip(framework)
+    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+        text = f.read()
+    found = cited(text)
+    assert {kind for kind, _ in found} == {"path", "name"}, \
+        "no names found: the patterns no longer match the page"
+    assert missing(text) == [], "%s cites names that do not exist" % page
 
 
 def test_the_name_check_finds_a_missing_name():
+    pytest.importorskip("mxnet")
+    pytest.importorskip("torch")
     modules, classes = _modules(), _classes()
     assert resolve("Aggregator.push", modules, classes) is not None
     assert resolve("Aggregator.allreduce", modules, classes) is None
@@ -302,6 +457,33 @@ def test_the_name_check_finds_a_missing_name():
     assert resolve("nowhere.thing", modules, classes) is None
     assert resolve("EncodeJob.stat_width", modules, classes) is not None
     assert resolve("EncodeJob.no_such_field", modules, classes) is None
+    # a short module name is any module of that name: torch/framework.py here
+    assert resolve("framework.TorchUpdate", modules, classes) is not None
+    assert resolve("framework.MXNetFramework", modules, classes) is not None
+    assert resolve("framework.NoSuchUpdate", modules, classes) is None
+    assert resolve("Arrays.can_hold", modules, classes) is not None  # a Protocol's member
+    assert resolve("torch.optim.SGD", modules, classes) is not None
+    assert resolve("torch.optim.NoSuchSGD", modules, classes) is None
+    good = ("The engine (`slimgc_mx.engine.config.SlimGCConfig`, slimgc_mx/engine/planner.py,"
+            " **mxnet/kvstore.py**, `torch/copies.py`, tests/test_layering.py,"
+            " scripts/per_key_cost.py, `cttab.py`, `copies.EventReadiness`, `Planner.plan`,"
+            " `Aggregator.push(key, grads, outs)`, `torch/framework.TorchUpdate`,"
+            " `mx.kv.create`, `torch.optim.SGD`, `slimgc_mx/mxnet/`, `SlimGC(...)`,"
+            " cython_ext/codec_<name>.pxi).\n"
+            "```\nslimgc_mx/engine/   the engine\n  planner.py      Planner.plan\n```\n")
+    assert missing(good) == []
+    bad = ("Gone: slimgc_mx/planner.py, `slimgc_mx.config.SlimGCConfig`, `pipeline.py`,"
+           " **mxnet/pipeline.py**, tests/test_nothing.py, `copies.NoSuchReadiness`,"
+           " `Planner.replan`, `torch/framework.NoSuchUpdate`, `torch.optim.NoSuchSGD`,"
+           " `slimgc_mx/nowhere/`, `NoSuchAggregator`.\n"
+           "```\nslimgc_mx/engine/   the engine\n  pipeline.py     pipeline.submit\n"
+           "slimgc_mx/        the package\n```\n")
+    assert missing(bad) == sorted([
+        "slimgc_mx/planner.py", "slimgc_mx.config.SlimGCConfig",
+        "pipeline.py", "mxnet/pipeline.py", "tests/test_nothing.py", "copies.NoSuchReadiness",
+        "Planner.replan", "torch/framework.NoSuchUpdate", "torch.optim.NoSuchSGD",
+        "slimgc_mx/nowhere/", "NoSuchAggregator", "slimgc_mx/engine/pipeline.py",
+        "pipeline.submit"])
 
 
 # ---------------------------------------------------------------- README's local update

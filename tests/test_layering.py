@@ -37,8 +37,9 @@ def _package_modules():
     return out
 
 
-def _mxnet_imports(path):
-    """The lines of the file `path` that import MXNet itself (at any depth of the code)."""
+def _mxnet_imports(path, library="mxnet"):
+    """The lines of the file `path` that import MXNet itself (or `library`), at any depth of
+    the code."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     lines = []
@@ -49,7 +50,7 @@ def _mxnet_imports(path):
             names = [node.module]
         else:
             continue
-        if any(n == "mxnet" or n.startswith("mxnet.") for n in names):
+        if any(n == library or n.startswith(library + ".") for n in names):
             lines.append(node.lineno)
     return lines
 
@@ -72,6 +73,8 @@ def test_the_import_check_sees_every_form_of_importing_mxnet(tmp_path):
                    "def f():\n"
                    "    import mxnet.gluon.trainer as t\n")
     assert _mxnet_imports(str(src)) == [1, 2, 6]
+    src.write_text("import torchvision\ndef f():\n    import torch.distributed as dist\n")
+    assert _mxnet_imports(str(src), "torch") == [3]
     assert _mxnet_imports(os.path.join(ROOT, "slimgc_mx", "mxnet", "kvstore.py"))
 
 
@@ -86,6 +89,27 @@ def test_importing_every_module_outside_the_adapter_leaves_mxnet_unloaded():
                 "    print('none')" % sorted(_package_modules()), timeout=180)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "none", "importing %s loads MXNet" % r.stdout.strip()
+
+
+#: The framework-free layers: the engine and what it builds on.
+FRAMEWORK_FREE = ("slimgc_mx.engine", "slimgc_mx.codecs", "slimgc_mx.transport")
+
+
+def test_the_engine_imports_neither_framework():
+    """Neither MXNet nor torch, anywhere in its code (function-level imports too), nor when
+    every module of it is imported: what docs/backend.md says of the aggregator."""
+    modules = {m: p for m, p in _package_modules().items() if m.startswith(FRAMEWORK_FREE)}
+    assert "slimgc_mx.engine.aggregator" in modules
+    found = {os.path.relpath(path, ROOT): lines for path in modules.values()
+             for lib in ("mxnet", "torch") if (lines := _mxnet_imports(path, lib))}
+    assert found == {}, "the engine imports a framework (file: lines): %s" % found
+    r = _python("import importlib, sys\n"
+                "for name in %r:\n"
+                "    importlib.import_module(name)\n"
+                "print(sorted({m.split('.')[0] for m in sys.modules} & {'mxnet', 'torch'}))"
+                % sorted(modules), timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", "importing the engine loads %s" % r.stdout.strip()
 
 
 def test_the_launcher_ignores_the_callers_dmlc_role_and_warns_nothing():

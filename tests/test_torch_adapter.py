@@ -25,6 +25,18 @@ def test_full_precision_without_backup_gives_ddp_weights(tmp_path):
     assert mine[0]["transfers"] > 0
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_adam_and_adamw_without_backup_give_ddp_weights(tmp_path, optimizer):
+    """Another optimizer than SGD runs its own step on glo_buf with the mean gradient: the
+    weights are DDP's with the same optimizer (AdamW: decoupled weight decay)."""
+    run_ok("train.py", tmp_path, "ddp,slimgc", json.dumps(
+        {"compression": "none", "backup": False, "optimizer": optimizer}))
+    ddp, mine = results(tmp_path, "ddp"), results(tmp_path, "slimgc")
+    for r in range(2):
+        assert np.abs(np.subtract(ddp[r]["weights"], mine[r]["weights"])).max() <= 1e-6
+    assert mine[0]["weights"] == mine[1]["weights"]
+
+
 def test_accumulation_gives_ddp_weights(tmp_path):
     opts = {"accumulate": 2, "steps": 8}
     run_ok("train.py", tmp_path, "ddp,slimgc", json.dumps(

@@ -1,7 +1,6 @@
 """The job plan: every process's role, node, runner and environment; nothing is started here."""
 import errno
 import logging
-import os
 import shlex
 import socket
 import subprocess
@@ -11,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ..env import (ENGINE_THREADS_VAR, LAUNCH_INDEX_VAR, SERVER_ENV, TERMINAL_VAR,
-                   WORKER_ENGINE_THREADS, available_cpus)
+                   WORKER_ENGINE_THREADS, available_cpus, is_set)
+from ..env import value as env_value
 from .errors import LaunchError
 from .runners import LocalRunner, Runner, SshRunner
 
@@ -28,9 +28,9 @@ def parse_env_items(items: List[str], option: str) -> Dict[str, str]:
         if not key.isidentifier():
             raise LaunchError(f"{option} {item!r}: expected NAME:VALUE or NAME")
         if not sep:
-            if key not in os.environ:
+            value = env_value(key)
+            if value is None:
                 raise LaunchError(f"{option} {key}: no value given and {key} is not set here")
-            value = os.environ[key]
         env[key] = value
     return env
 
@@ -165,7 +165,7 @@ def build_plan(args, cluster=None) -> List[Task]:
 
     engine = ENGINE_THREADS_VAR
     if engine not in user_env and engine not in per_role["worker"] and (
-            args.launcher == "ssh" or engine not in os.environ):
+            args.launcher == "ssh" or not is_set(engine)):
         per_role["worker"][engine] = str(WORKER_ENGINE_THREADS)
         log.info("%s=%d for every worker: transfers need not wait behind compute in MXNet's "
                  "engine (--env-worker %s:N sets another value)", engine, WORKER_ENGINE_THREADS,
@@ -194,7 +194,7 @@ def build_plan(args, cluster=None) -> List[Task]:
             node_of = lambda i: cluster.ns(labels[i])  # noqa: E731
             host_of = {cluster.ns(label): cluster.ip(label) for label in cluster.nodes}
             common["DMLC_INTERFACE"] = NODE_IFACE
-        if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in user_env:
+        if not is_set("OMP_NUM_THREADS") and "OMP_NUM_THREADS" not in user_env:
             cpus = available_cpus()
             common["OMP_NUM_THREADS"] = str(omp_threads(args.num_workers, cpus))
             log.info("OMP_NUM_THREADS=%s for every process: %s share %s "
@@ -276,7 +276,7 @@ def torch_plan(args, cluster=None) -> List[Task]:
         common[TERMINAL_VAR] = "1"
     user_env = {**parse_env_items(args.env, "--env"),
                 **parse_env_items(args.env_worker, "--env-worker")}
-    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in user_env:
+    if not is_set("OMP_NUM_THREADS") and "OMP_NUM_THREADS" not in user_env:
         cpus = available_cpus()
         common["OMP_NUM_THREADS"] = str(omp_threads(n, cpus))
         log.info("OMP_NUM_THREADS=%s for every process: %s share %s "

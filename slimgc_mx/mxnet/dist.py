@@ -1,6 +1,5 @@
 """MXNet's own dist_sync kvstore underneath: stock servers sum what the workers push."""
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -66,7 +65,7 @@ def engine_threads_warning(environ):
     var = env.ENGINE_THREADS_VAR
     return ("%s=%s: MXNet's engine has one CPU worker thread, so transfers wait behind "
             "compute; start workers with %s=%d (python -m slimgc_mx.launch does)"
-            % (var, environ.get(var, "1"), var, env.WORKER_ENGINE_THREADS))
+            % (var, env.value(var, "1", environ), var, env.WORKER_ENGINE_THREADS))
 
 
 _LIVE = weakref.WeakSet()  # DistTransports whose MXNet kvstore is not released
@@ -93,7 +92,6 @@ class DistTransport(Transport):
         self.num_servers = env.num_servers(environ)
         self.timeout = timeout
         self.piece_bytes = piece_bytes
-        environ = os.environ if environ is None else environ
         index = env.launch_index(environ)
         if index is not None:  # the launcher labels this worker's lines with its rank
             sys.stderr.write(env.RANK_MARKER % (index, self.rank, self.num_workers) + "\n")

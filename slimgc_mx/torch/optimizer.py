@@ -8,12 +8,12 @@ optimizer's own rule) at once, and glo_buf gets the mean gradient's step when th
 """
 import dataclasses
 import datetime
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..engine import checkpoint
 from ..engine.aggregator import Aggregator
 from ..engine.planner import check_momentum
@@ -44,20 +44,13 @@ def init_process_group(backend="gloo", timeout=None):
     (torchrun's store outlives its workers). Does nothing when a group exists."""
     if dist.is_initialized():
         return
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-               if v not in os.environ]
-    if missing:
-        raise RuntimeError("torch.distributed's variables %s are not set: start the job with "
-                           "torchrun (or set them)" % ", ".join(missing))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    job = env.torch_rendezvous()
     span = datetime.timedelta(seconds=timeout or 1800)
-    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not hosted, timeout=span)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore("slimgc/attempt_%s" % attempt,
+    store = dist.TCPStore(job.master_addr, job.master_port, job.world_size,
+                          is_master=job.rank == 0 and not job.agent_store, timeout=span)
+    dist.init_process_group(backend, store=dist.PrefixStore("slimgc/attempt_%s" % job.attempt,
                                                             store),
-                            rank=rank, world_size=world, timeout=span)
+                            rank=job.rank, world_size=job.world_size, timeout=span)
 
 
 #: How to train parameters added after wrapping (add_param_group, step()'s check).
@@ -77,7 +70,7 @@ def _init_process_group():
     script has not), False for a job of one (no WORLD_SIZE)."""
     if dist.is_initialized():
         return True
-    if "WORLD_SIZE" not in os.environ:
+    if not env.torch_launched():
         return False
     init_process_group()
     return True
@@ -106,7 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise TypeError("model must be a torch.nn.Module, got %s" % type(model).__name__)
         settings = _split_options(dict(options, compressor=compression))
-        config = SlimGCConfig.from_sources(settings, os.environ, SOURCE)
+        config = SlimGCConfig.from_sources(settings, None, SOURCE)
         config.validate()
         self._inner = optimizer
         self._clip = None  # slimgc.clip_grad_norm_'s request for the coming step

@@ -1,6 +1,7 @@
 """A rank of a small job, once per mode of a comma list: DDP (`ddp`) or SlimGC (`slimgc` with
 JSON options), each from the same initial weights; records the weights of each. Options
-`accumulate` (backward passes per step) and `steps` are the script's."""
+`accumulate` (backward passes per step), `steps` and `optimizer` (sgd, adam, adamw) are the
+script's."""
 import json
 import sys
 
@@ -14,13 +15,20 @@ out, modes = sys.argv[1], sys.argv[2].split(",")
 options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 steps = options.pop("steps", 20)
 accumulate = options.pop("accumulate", 1)
+#: The inner optimizer of each mode, by name.
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=1e-4),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05),
+}
+make_optimizer = OPTIMIZERS[options.pop("optimizer", "sgd")]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
 
 def run(mode):
     net = model()
-    base = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    base = make_optimizer(net.parameters())
     if mode == "ddp":
         wrapped, opt = torch.nn.parallel.DistributedDataParallel(net), base
     else:
