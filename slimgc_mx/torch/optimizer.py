@@ -252,10 +252,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
         if clip is not None:
             self._clipped_pushes(grads, *clip)
-        else:
+        else:  # every key pushed before any waits: fused buckets travel whole
+            self._agg.start_step()
             for (name, p), g in zip(self._named, grads):
                 self._agg.push(name, [g], [p])
-            self._agg.send_pending()
+            self._agg.end_step()
         self._inner._opt_called = True  # what an LR scheduler built on it looks for
         return loss
 
