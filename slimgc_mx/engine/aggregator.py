@@ -72,7 +72,8 @@ class Aggregator:
                                self.lanes32)
         self.stats = TransferStats()
         self.clip = StepClip(transport.num_workers)  # clipped steps' gate (step_clip.py)
-        self._deferred = []  # backup off, in a clipped step: (key, version, outs) to write back
+        self._stepping = False  # between start_step (or clip_step) and end_step
+        self._deferred = []  # backup off, in a step: (key, version, outs) to write back
         self.residual_growth = None  # what the residual watch found first (a message), or None
         self.update = None  # GlobalUpdate, once an optimizer is set
         self._local = None  # LocalUpdater, built at the first local update
@@ -203,7 +204,7 @@ class Aggregator:
             self._submit(self.planner.take(bucket))
         self.planner.steps[key] = step + 1
         if not self.config.backup and outs is not None:
-            if self.clip.active:  # its update waits for the step's last key: see end_step
+            if self._stepping:  # written back by end_step, once every bucket is sent
                 self._deferred.append((key, step + 1, outs))
                 return
             if not self.framework.arrays.can_hold:
@@ -283,22 +284,28 @@ class Aggregator:
         table = self.update.prepare(transfer, self.num_workers)
         self.backup.publish(published, partial(self.update, transfer, table))
 
-    # -- clipping by the global norm (step_clip.py) --------------------------------------
+    # -- steps and clipping by the global norm (step_clip.py) ----------------------------
+    def start_step(self):
+        """Push a whole step before end_step(): with backup off its write-backs wait until
+        then, so a fused bucket is sent once all its members are in, not at its first."""
+        self._stepping = True
+
     def clip_step(self, max_norm, norm_type=2.0):
-        """Clip the mean gradient of the pushes until end_step() by its norm over all of
-        them (torch's clip_grad_norm_ after DDP's averaging): their global updates wait
-        for the step's last sum. Every worker must clip the same steps alike."""
+        """Start a step (start_step) whose mean gradient is clipped by its norm over all
+        its pushes (torch's clip_grad_norm_ after DDP's averaging): their global updates
+        wait for the step's last sum. Every worker must clip the same steps alike."""
         if self.update is None:
             raise RuntimeError("clipping needs an optimizer (set_optimizer)")
         self.clip.start(max_norm, norm_type)
+        self.start_step()
 
     def end_step(self):
         """After a step's pushes: send the partial buckets and seal a clipped step; with
         backup off the parameters then get the global weights, once the step is applied."""
         self.send_pending()
-        if not self.clip.active:
-            return
-        self.clip.seal()
+        self._stepping = False
+        if self.clip.active:
+            self.clip.seal()
         deferred, self._deferred = self._deferred, []
         for key, version, outs in deferred:
             self.backup.write_back(key, version, outs)

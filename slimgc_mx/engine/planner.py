@@ -77,6 +77,7 @@ class Bucket:
                 add_lanes32(self.rounds, codec, self.size, num_workers, make_buffer)
         self.round_sets = [self.rounds] if self.rounds else []  # one wire class
         self.pending = []
+        self._pending_keys = set()  # of `pending`: holds() in constant time
         self.settings = None  # the optimizer settings of the first push since the last transfer
 
     @property
@@ -98,19 +99,21 @@ class Bucket:
 
     def holds(self, key):
         """True when `key` was pushed since the last transfer."""
-        return any(p.key == key for p in self.pending)
+        return key in self._pending_keys
 
     def add(self, push, settings):
         """Record that a member's gradient is in grad_buf; True once every member's is."""
         if not self.pending:
             self.settings = settings
         self.pending.append(push)
+        self._pending_keys.add(push.key)
         return len(self.pending) == len(self.members)
 
     def take(self, name_of, plan):
         """The transfer of what is in, under `plan` (Planner.take); the bucket starts
         collecting the next round."""
         pending, self.pending = self.pending, []
+        self._pending_keys = set()
         return Transfer(self, pending[0].step, pending, self.settings, self.label(name_of),
                         plan, priority=max(p.priority for p in pending))
 

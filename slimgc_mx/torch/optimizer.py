@@ -41,16 +41,41 @@ def init_process_group(backend="gloo", timeout=None):
     """torch.distributed's default group from the launcher's variables (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), its keys under one prefix per torchrun attempt: a group
     made again after a restart must not find the dead attempt's addresses in the store
-    (torchrun's store outlives its workers). Does nothing when a group exists."""
+    (torchrun's store outlives its workers). Does nothing when a group exists.
+
+    timeout: seconds to wait for every rank, and Gloo's timeout (default: SLIMGC_TIMEOUT,
+    else SlimGCConfig's); a rank still missing then fails naming how many came."""
     if dist.is_initialized():
         return
     job = env.torch_rendezvous()
-    span = datetime.timedelta(seconds=timeout or 1800)
-    store = dist.TCPStore(job.master_addr, job.master_port, job.world_size,
-                          is_master=job.rank == 0 and not job.agent_store, timeout=span)
-    dist.init_process_group(backend, store=dist.PrefixStore("slimgc/attempt_%s" % job.attempt,
-                                                            store),
-                            rank=job.rank, world_size=job.world_size, timeout=span)
+    if timeout is None:
+        timeout = SlimGCConfig.from_sources({}, None, SOURCE).timeout
+    host, port, world = job.master_addr, job.master_port, job.world_size
+    span = datetime.timedelta(seconds=timeout)
+    who, start = "rank %d of %d" % (job.rank, world), time.monotonic()
+    try:
+        store = dist.TCPStore(host, port, world, is_master=job.rank == 0 and not job.agent_store,
+                              timeout=span, wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as exc:  # torch's client tries twice
+        raise RuntimeError("%s: no rendezvous at %s:%d after %.0f s (rank 0 hosts it; timeout "
+                           "%g s): start every rank (torchrun --nproc-per-node %d), or raise "
+                           "timeout (%s)" % (who, host, port, time.monotonic() - start,
+                                             timeout, world, exc)) from None
+    store = dist.PrefixStore("slimgc/attempt_%s" % job.attempt, store)
+    _rendezvous(store, world, timeout, "%s: the rendezvous at %s:%d" % (who, host, port))
+    dist.init_process_group(backend, store=store, rank=job.rank, world_size=world, timeout=span)
+
+
+def _rendezvous(store, world, timeout, where):
+    """Count this process in and wait until `world` are, at most `timeout` seconds."""
+    came, deadline = store.add("slimgc_arrived", 1), time.monotonic() + timeout
+    while came < world:
+        if time.monotonic() > deadline:
+            raise RuntimeError("%s got %d of %d processes within %g s; start every rank "
+                               "(torchrun --nproc-per-node %d), or raise timeout"
+                               % (where, came, world, timeout, world))
+        time.sleep(0.05)
+        came = store.add("slimgc_arrived", 0)
 
 
 #: How to train parameters added after wrapping (add_param_group, step()'s check).
@@ -65,14 +90,14 @@ def _group_sizes(optimizer):
     return len(optimizer.param_groups), sum(len(g["params"]) for g in optimizer.param_groups)
 
 
-def _init_process_group():
-    """True once torch.distributed is initialized (from the launcher's variables when the
-    script has not), False for a job of one (no WORLD_SIZE)."""
+def _init_process_group(timeout):
+    """True once torch.distributed is initialized (from the launcher's variables, waiting
+    `timeout` seconds for every rank, when the script has not), False for a job of one."""
     if dist.is_initialized():
         return True
     if not env.torch_launched():
         return False
-    init_process_group()
+    init_process_group(timeout=timeout)
     return True
 
 
@@ -104,7 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._inner = optimizer
         self._clip = None  # slimgc.clip_grad_norm_'s request for the coming step
         named = self._parameters_of(model, optimizer)
-        distributed = _init_process_group()
+        distributed = _init_process_group(config.timeout)
         transport = TorchTransport(config.timeout) if distributed else LocalTransport()
         cuda = any(p.is_cuda for _, p in named)
         # torch.optim.Optimizer's own attributes (hooks), then the wrapped one's groups/state
@@ -245,10 +270,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
         if clip is not None:
             self._clipped_pushes(grads, *clip)
-        else:
+        else:  # every key pushed before any waits: fused buckets travel whole
+            self._agg.start_step()
             for (name, p), g in zip(self._named, grads):
                 self._agg.push(name, [g], [p])
-            self._agg.send_pending()
+            self._agg.end_step()
         self._inner._opt_called = True  # what an LR scheduler built on it looks for
         return loss
 

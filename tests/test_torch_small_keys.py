@@ -1,0 +1,32 @@
+"""Many small parameters without backup: a torch step pushes every key before it waits, so
+the fused buckets travel whole (each key's write-back used to send its partial bucket at
+once: one transfer per key, 12x DDP's step with 500 tiny parameters)."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from torch_launch import results, torchrun  # noqa: E402
+
+
+@pytest.mark.parametrize("options", [
+    {"compression": "none"},
+    # the large tensors are compressed (unfused), the tiny ones fused at full precision
+    {"compression": "2bit", "comm_threshold": 1024, "large": 2},
+])
+def test_a_step_sends_each_bucket_once_not_each_key(tmp_path, options):
+    steps, params = 6, 60
+    code, text = torchrun("tiny.py", tmp_path, "ddp,slimgc", json.dumps(
+        dict(options, backup=False, steps=steps, params=params)))
+    assert code == 0, text[-4000:]
+    mine = results(tmp_path, "slimgc")
+    keys = params + options.get("large", 0)
+    for r in mine:
+        assert r["fused_keys"] == params and r["fused_buckets"] >= 1
+        per_step = np.diff(r["transfers"])  # the buckets are built at the second step
+        assert list(per_step) == [r["fused_buckets"] + keys - r["fused_keys"]] * (steps - 1)
+    if options["compression"] == "none":  # still DDP's weights
+        ddp = results(tmp_path, "ddp")
+        assert np.abs(np.subtract(ddp[0]["weights"], mine[0]["weights"])).max() <= 1e-6
