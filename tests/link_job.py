@@ -1,7 +1,8 @@
 """The CTTab's warm-up on a model of 512 KiB .. 1 KiB weights: rank 0 writes the fitted link.
 
 Run under the launcher (every role runs it; MXNet's servers stop at `import mxnet`):
-    python -m slimgc_mx.launch -n 2 --framework torch --launcher netns python tests/link_job.py torch OUT
+    python -m slimgc_mx.launch -n 2 --framework torch --launcher netns \
+        python tests/link_job.py torch OUT
     python -m slimgc_mx.launch -n 1 -s 1 --launcher netns python tests/link_job.py mxnet OUT
 """
 import json
