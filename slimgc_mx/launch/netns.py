@@ -45,9 +45,10 @@ def netns_available() -> (bool, str):
         return False, "cannot create a network namespace: %s" % e
     try:
         _run(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"])
+        _run(["ip", "-n", probe, "link", "set", "v0", "gso_max_size", str(gso_bytes(10 ** 9))])
         _run(["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root"] + tbf_args(10 ** 9))
     except RuntimeError as e:
-        return False, "veth or tc tbf unavailable: %s" % e
+        return False, "veth, gso_max_size or tc tbf unavailable: %s" % e
     finally:
         _run(["ip", "netns", "del", probe], check=False)
     return True, "ok"
@@ -62,10 +63,22 @@ def rate_bits(text: str) -> float:
     return value * (8 if m.group(3) == "bps" else 1)
 
 
+def tbf_burst(bits_per_s: float) -> int:
+    """Bytes a link sends at once: 0.25 ms of traffic, at least 8 KiB. A message finding the
+    bucket full skips the rate for that many bytes (256 KiB let whole tensors skip it)."""
+    return max(8192, int(bits_per_s / 8 / 4000))
+
+
+def gso_bytes(bits_per_s: float) -> int:
+    """The largest packet a node hands its link (gso_max_size): half the burst, at most
+    64 KiB, as tbf splits a packet larger than its burst into frames, at half the rate."""
+    return min(65536, tbf_burst(bits_per_s) // 2)
+
+
 def tbf_args(bits_per_s: float) -> List[str]:
-    """Token bucket for a rate: burst of 1 ms of traffic but at least 4 GSO segments (64 KiB)."""
-    burst = max(4 * 65536, int(bits_per_s / 8 / 1000))
-    return ["tbf", "rate", "%dbit" % int(bits_per_s), "burst", str(burst), "latency", "100ms"]
+    """Token bucket for a rate, with tbf_burst's burst."""
+    return ["tbf", "rate", "%dbit" % int(bits_per_s), "burst", str(tbf_burst(bits_per_s)),
+            "latency", "100ms"]
 
 
 def netem_available() -> bool:
@@ -130,8 +143,12 @@ class NetnsCluster:
         return self.nodes[label][1]
 
     def _shape(self, ns, dev, with_delay):
-        """tbf for the rate; netem (rate and delay) when a delay is asked for."""
+        """tbf for the rate, its packets no larger than gso_bytes; netem (rate and delay)
+        when a delay is asked for."""
         qdisc = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root"]
+        if self.bandwidth:
+            _run(["ip", "-n", ns, "link", "set", dev, "gso_max_size",
+                  str(gso_bytes(rate_bits(self.bandwidth)))])
         if self.delay and with_delay:
             rate = ["rate", self.bandwidth] if self.bandwidth else []
             _run(qdisc + ["netem", "delay", self.delay] + rate + ["limit", "100000"])
