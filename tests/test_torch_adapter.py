@@ -123,3 +123,23 @@ def test_a_checkpoint_midway_changes_nothing(tmp_path, codec, backup):
     assert plain[0]["flushed"] == plain[1]["flushed"]
     if backup == "backup":
         assert plain[0]["params"] != plain[0]["flushed"]  # the parameters held loc_buf
+
+
+@pytest.mark.parametrize("backup,at,lr", [("backup", 12, 0.025), ("nobackup", 12, 0.025),
+                                          ("backup", 19, 0.0125)])
+def test_a_hyperparameter_changed_on_one_rank_fails_every_rank_naming_it(tmp_path, backup, at,
+                                                                         lr):
+    """Rank 1 alone sets its lr at step 12: it went unnoticed and the ranks' global weights
+    parted. Now both ranks fail at the next step (at the last step: at the flush) naming
+    the setting, the step and each rank's value, and no global weight of it is written."""
+    code, text = torchrun("settings.py", tmp_path, backup, at, timeout=180)
+    ranks = results(tmp_path, "settings")  # (recorded before the exit, which Gloo's
+    #                                         teardown now and then aborts, as before)
+    for r in ranks:
+        assert r["error"] == (
+            "ConfigMismatchError: ranks disagree on param group 0 lr at step %d: rank 0 has "
+            "%r, rank 1 has 0.01; change hyperparameters on every rank alike (e.g. step a "
+            "ReduceLROnPlateau on a metric averaged over ranks)" % (at, lr)), r["error"]
+        assert r["raised_at"] == at + 1, r
+        assert r["after"] == r["before"], r  # the step's global update was not applied
+    assert ranks[0]["after"] == ranks[1]["after"]

@@ -29,3 +29,18 @@ def test_close_lets_go_of_the_group_and_refuses_later_collectives(one_rank):
     assert transport._group is None
     with pytest.raises(RuntimeError, match="the transport is closed"):
         transport.broadcast(0, buf)
+
+
+def test_riders_tell_every_rank_whether_all_sent_the_same_and_leave_exchanges_intact(tmp_path):
+    """TorchTransport.ride: the per-step settings check's values travel with the next
+    exchange (a sum or a gather, float32 or float64), alone when it is too large or not an
+    exchange; every rank learns the same verdict."""
+    from torch_launch import results, torchrun
+    torchrun("rider.py", tmp_path)
+    ranks = results(tmp_path, "rider")  # (recorded before the exit, which Gloo's teardown
+    #                                      now and then aborts)
+    assert ranks[0] == ranks[1]
+    assert len(ranks[0]) == 10
+    for case, r in ranks[0].items():
+        assert r["intact"], case
+        assert r["same"] is case.endswith("False"), case

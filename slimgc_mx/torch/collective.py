@@ -8,6 +8,8 @@ that order as each is handed over, asynchronously; the rest of the engine waits 
 Sums of lanes are float64 sums of integers below 2**53 (exact, as on MXNet's servers);
 gathers are allgathers. The training thread's own collectives (broadcast, small allgathers,
 AMP's agreement) go through the same issuing thread, announced where they are called.
+A rider (ride(): a few integers, the per-step settings check's hash) takes a place in that
+order and travels appended to the next exchange, so it costs no collective of its own.
 """
 import collections
 import datetime
@@ -22,24 +24,45 @@ from ..transport.base import TransferHandle, Transport
 
 #: The wire key of the training thread's own collectives (never a key of the engine's).
 _SYNC = ("training thread",)
+#: The wire key of the riders' places in the order (TorchTransport.ride).
+_RIDE = ("rider",)
+#: The largest exchange, in bytes, that carries a rider (it is copied once each way).
+RIDE_BYTES = 1 << 18
 
 
 class TorchWork(TransferHandle):
-    """An exchange handed to the issuing thread; wait() returns once its result is in recv."""
+    """An exchange handed to the issuing thread; wait() returns once its result is in recv.
 
-    def __init__(self, recv, start):
+    start(group) starts its collective; carry(group, rider), where given, starts it with a
+    Rider's slots appended instead and returns (torch Work, what to run once it is done),
+    or None where it cannot carry them."""
+
+    def __init__(self, recv, start, carry=None, after=None):
         super().__init__(recv)
         self._start = start  # (group) -> torch Work, run by the issuing thread
+        self._carry = carry
+        self._after = after  # run once, by the first wait() after the collective is done
+        self._lock = threading.Lock()
         self._issued = threading.Event()
         self._work = None
         self._error = None
 
-    def issue(self, group):
+    def issue(self, group, rider=None):
+        """Start the collective, carrying `rider` where it can; True when it does."""
+        carried = False
         try:
-            self._work = self._start(group)
+            started = self._carry(group, rider) if rider is not None and self._carry else None
+            if started is not None:
+                (self._work, self._after), carried = started, True
+            else:
+                self._work = self._start(group)
         except BaseException as exc:  # raised where the pipeline waits
             self._error = exc
+        self._start = self._carry = None  # (their tensors are the Work's now)
         self._issued.set()
+        if carried:
+            rider.carried_by(self)
+        return carried
 
     def fail(self, exc):
         self._error = exc
@@ -49,7 +72,80 @@ class TorchWork(TransferHandle):
         self._issued.wait()
         if self._error is not None:
             raise self._error
-        self._work.wait()
+        work = self._work
+        if work is not None:
+            work.wait()
+        with self._lock:  # (a second waiter returns once `after` has run)
+            if self._after is not None:
+                self._after()
+                self._after = None
+            self._work = None  # done: let go of the Work and its tensors
+
+
+class Rider:
+    """Integers below 2**52 that every rank sends with its next exchange
+    (TorchTransport.ride); same() says, alike on every rank, whether all ranks sent equal
+    ones. They travel as pieces and their squares, whose sums over N ranks are exact: equal
+    everywhere iff N * sum(p**2) == sum(p)**2 for every piece."""
+
+    def __init__(self, values, num_workers):
+        self.values = [int(v) for v in values]
+        self.num_workers = num_workers
+        self.sums = None  # of the slots over the ranks, once the carrier is done
+        self._carrier = None
+        self._placed = threading.Event()
+        self._same = None
+
+    _slots = {}  # (values, dtype, ranks) -> slots(): a step's are mostly the last one's
+
+    def slots(self, dtype):
+        """The pieces, then their squares, as a NumPy array of `dtype` (not to be written)
+        whose sums over the ranks are exact; None for a dtype that cannot hold them."""
+        dtype = np.dtype(dtype)
+        key = (tuple(self.values), dtype, self.num_workers)
+        made = self._slots.get(key)
+        if made is None and key not in self._slots:
+            mantissa = {np.dtype(np.float32): 24, np.dtype(np.float64): 53}.get(dtype, 0)
+            bits = min(26, (mantissa - self.num_workers.bit_length()) // 2)
+            if bits >= 1:
+                pieces = np.array([(v >> shift) & ((1 << bits) - 1) for v in self.values
+                                   for shift in range(0, 52, bits)], dtype=np.float64)
+                made = np.concatenate([pieces, pieces * pieces]).astype(dtype)
+            if len(self._slots) >= 16:
+                self._slots.clear()
+            self._slots[key] = made
+        return made
+
+    def carried_by(self, work):
+        self._carrier = work
+        self._placed.set()
+
+    def alone(self, group):
+        """Send it in a collective of its own (the next exchange could not carry it)."""
+        slots = self.slots(np.float64).copy()
+        work = TorchWork(None, lambda g: dist.all_reduce(torch.from_numpy(slots), group=g,
+                                                         async_op=True),
+                         after=lambda: setattr(self, "sums", slots))
+        work.issue(group)
+        self.carried_by(work)
+
+    def fail(self, exc=None):
+        """Sent by no rank (the step that placed it raised, or the transport closed):
+        same() says True at once."""
+        self._placed.set()
+
+    def same(self):
+        """Wait for its exchange; True when every rank sent the same values."""
+        if self._same is None:
+            self._placed.wait()
+            if self._carrier is None:
+                return True
+            self._carrier.wait()
+            k = len(self.sums) // 2
+            s1, s2 = [int(x) for x in self.sums[:k]], [int(x) for x in self.sums[k:]]
+            self._same = all(self.num_workers * b == a * a for a, b in zip(s1, s2))
+            self._carrier = None
+        return self._same
 
 
 class TorchTransport(Transport):
@@ -102,16 +198,26 @@ class TorchTransport(Transport):
         return work
 
     def _issue_loop(self):
+        rider = None  # a Rider waiting for the next exchange
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or (
                     self._order and self._order[0] in self._handed))
                 if self._closed:
-                    pending = list(self._handed.values())
+                    pending = list(self._handed.values()) + [rider] * (rider is not None)
                     self._handed.clear()
                     break
                 work = self._handed.pop(self._order.popleft())
-            work.issue(self._group)
+            if isinstance(work, Rider):
+                if rider is not None:  # no exchange between two riders
+                    rider.alone(self._group)
+                rider = work
+                continue
+            if rider is None:
+                work.issue(self._group)
+            elif not work.issue(self._group, rider):
+                rider.alone(self._group)  # right after the exchange that could not carry it
+            rider = None
         for work in pending:
             work.fail(RuntimeError("the transport was closed before this exchange started"))
 
@@ -127,14 +233,55 @@ class TorchTransport(Transport):
         out = recv.for_write()
         np.copyto(out, send.for_read())
         tensor = torch.from_numpy(out)
+
+        def carry(group, rider):  # the sum of the tensor and the rider's slots, then apart
+            extra = rider.slots(out.dtype)
+            if extra is None or out.nbytes > RIDE_BYTES:
+                return None
+            both = np.concatenate([out, extra])
+
+            def after():
+                np.copyto(out, both[:out.size])
+                rider.sums = both[out.size:]
+            return dist.all_reduce(torch.from_numpy(both), group=group, async_op=True), after
         return self._hand(wire_key, TorchWork(recv, lambda group: dist.all_reduce(
-            tensor, group=group, async_op=True)))
+            tensor, group=group, async_op=True), carry))
 
     def gather(self, wire_key, send, recv, priority=0):
-        mine = torch.from_numpy(send.for_read())
+        mine_np = send.for_read()
+        mine = torch.from_numpy(mine_np)
         slots = torch.from_numpy(recv.for_write())[:mine.numel() * self.num_workers]
+
+        def carry(group, rider):  # each rank's row with the rider's slots, then apart
+            extra = rider.slots(mine_np.dtype)
+            if extra is None or slots.numel() * slots.element_size() > RIDE_BYTES:
+                return None
+            m, n = mine.numel(), self.num_workers
+            rows = torch.empty((n, m + extra.size), dtype=mine.dtype)
+
+            def after():
+                slots.view(n, m).copy_(rows[:, :m])
+                rider.sums = rows[:, m:].numpy().sum(0, dtype=np.float64)
+            return dist.all_gather_single(rows.view(-1), torch.from_numpy(np.concatenate(
+                [mine_np, extra])), group=group, async_op=True), after
         return self._hand(wire_key, TorchWork(recv, lambda group: dist.all_gather_single(
-            slots, mine, group=group, async_op=True)))
+            slots, mine, group=group, async_op=True), carry))
+
+    def ride(self, values):
+        """A Rider of `values` (integers below 2**52): sent with the next exchange in the
+        training thread's order (alone where that one cannot carry it), so every rank
+        learns whether all sent the same without a collective of its own."""
+        rider = Rider(values, self.num_workers)
+        with self._cond:  # announced and handed at once; no need to wake the issuing thread
+            if self._closed:
+                rider.fail()
+                return rider
+            slot = (_RIDE, self._announced[_RIDE])
+            self._announced[_RIDE] += 1
+            self._called[_RIDE] += 1
+            self._order.append(slot)
+            self._handed[slot] = rider
+        return rider
 
     # -- the training thread's collectives, in its order among the pipeline's --------------
     def run(self, start):

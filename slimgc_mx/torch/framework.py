@@ -106,6 +106,7 @@ class TorchUpdate:
         self._local = {}  # index -> optimizer instance over the parameter (local update)
         self._scratch = {}  # index -> the local step's copies of the global state tensors
         self._pending_states = {}  # index -> a checkpoint's state, loaded at first use
+        self.check = None  # a step_check.StepSettingsCheck, verified before each update
 
     def settings(self, index):
         return StepSettings.of(self.optimizer)
@@ -150,6 +151,8 @@ class TorchUpdate:
         return opt
 
     def __call__(self, transfer, table, glos):
+        if self.check is not None and self.check.differs(transfer.step):
+            return  # no global weight of a step the ranks disagree on; step() raises
         for push, glo in zip(transfer.pushes, glos):
             b = push.buffers
             opt = self.shadow(b.index, glo)

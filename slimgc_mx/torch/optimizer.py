@@ -20,8 +20,9 @@ from ..engine.planner import check_momentum
 from ..engine.config import SlimGCConfig
 from ..transport.local import LocalTransport
 from .collective import TorchTransport
-from .framework import TorchFramework
+from .framework import StepSettings, TorchFramework
 from .state import from_tensors, to_tensors
+from .step_check import StepSettingsCheck
 
 #: How messages name the constructor's keywords (config.SlimGCConfig.from_sources).
 SOURCE = "DistributedOptimizer keywords"
@@ -150,6 +151,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
         check_momentum(self._agg.codec, momentum, "compression=%r, momentum=%r")
         self._agg.set_optimizer(optimizer)
+        self._check = None  # every step's hyperparameters compared across ranks
+        if transport.num_workers > 1:
+            self._check = self._agg.update.check = StepSettingsCheck(
+                transport, StepSettings.of(optimizer))
         for name, p in named:
             self._agg.add_key(name, p.detach().cpu().numpy())
             with torch.no_grad():
@@ -243,6 +248,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "DistributedOptimizer is built, so added ones would never be "
                              "trained. %s" % (_group_sizes(self._inner) + self._groups
                                               + (_GROUPS_FIX,)))
+        step = self._agg.planner.steps[self._named[0][0]]
+        self._raise_mismatch(step)
         clip, self._clip = self._clip, None
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -268,15 +275,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._agg.framework.copies.sync()
             if self._transport.any(mine) if self._transport.num_workers > 1 else mine:
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
-        if clip is not None:
-            self._clipped_pushes(grads, *clip)
-        else:  # every key pushed before any waits: fused buckets travel whole
-            self._agg.start_step()
-            for (name, p), g in zip(self._named, grads):
-                self._agg.push(name, [g], [p])
-            self._agg.end_step()
+        if self._check is not None:
+            self._check.start(step, StepSettings.of(self._inner))
+        try:
+            if clip is not None:
+                self._clipped_pushes(grads, *clip)
+            else:  # every key pushed before any waits: fused buckets travel whole
+                self._agg.start_step()
+                for (name, p), g in zip(self._named, grads):
+                    self._agg.push(name, [g], [p])
+                self._agg.end_step()
+        except BaseException:
+            if self._check is not None:
+                self._check.drop(step)
+            raise
         self._inner._opt_called = True  # what an LR scheduler built on it looks for
         return loss
+
+    def _raise_mismatch(self, before=None):
+        """ConfigMismatchError if the ranks' settings differed at a step started (before
+        `before`): raised where every rank calls alike, so none waits in a collective."""
+        if self._check is not None:
+            self._check.raise_found(before)
 
     # -- clipping by the global norm (slimgc.clip_grad_norm_, clip.py) ----------------------
     def _request_clip(self, max_norm, norm_type, local_scale):
@@ -310,6 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- reading weights -------------------------------------------------------------------
     def flush(self):
         """Wait for the aggregations in flight and write the global weights into the model."""
+        self._raise_mismatch()
         self._agg.flush()
 
     def stats(self):
@@ -343,6 +364,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         and plain values: torch.save/torch.load(weights_only=True) keep it without pickling
         code. It waits for the aggregations in flight and writes nothing into the model, so
         taking it changes no step that follows."""
+        self._raise_mismatch()
         self._agg.send_pending()
         self._agg.pipeline.wait_idle(self._agg.config.timeout)
         state = to_tensors(checkpoint.state(self._agg))
