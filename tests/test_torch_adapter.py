@@ -6,11 +6,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from torch_launch import results, torchrun  # noqa: E402
+from torch_launch import Batch, results  # noqa: E402
 
 
 def run_ok(*args, **kw):
-    code, text = torchrun(*args, **kw)
+    code, text = SHARED.run(*args, **kw)
     assert code == 0, text[-4000:]
     return text
 
@@ -96,10 +96,25 @@ def test_amp_step_with_inf_on_one_rank_is_skipped_on_every_rank(tmp_path):
 
 ERRORS = {"options": ["threshold"], "optimizer": ["optimizer settings", "param group 0 lr="],
           "model": ["shape"], "nan": ["3.weight", "rank 1", "NaN"]}
+#: The jobs of this file's tests but the killed one, in one torchrun (a job asked for that is
+#: not listed runs alone); the one that goes wrong on purpose last.
+SHARED = Batch(
+    ("train.py", "ddp,slimgc", json.dumps({"compression": "none", "backup": False})),
+    ("train.py", "ddp,slimgc", json.dumps(
+        {"accumulate": 2, "steps": 8, "compression": "none", "backup": False})),
+    *(("train.py", "slimgc", json.dumps({"compression": "2bit", "backup": backup,
+                                         "comm_threshold": 0, "warmup_steps": 3}))
+      for backup in (True, False)),
+    ("codecs.py", "backup"), ("codecs.py", "nobackup"),
+    ("resume.py", "2bit", "backup"), ("resume.py", "powersgd", "nobackup"),
+    ("resume.py", "adam", "backup"),
+    ("restart.py", "straight"), ("amp.py",),
+    ("save_midway.py", "2bit", "backup"), ("save_midway.py", "2bit", "nobackup"),
+    ("errors.py", ",".join(ERRORS)))
 
 
 def test_bad_jobs_fail_on_every_rank_with_the_reason(tmp_path):
-    code, text = torchrun("errors.py", tmp_path, ",".join(ERRORS))
+    code, text = SHARED.run("errors.py", tmp_path, ",".join(ERRORS))
     for case, words in ERRORS.items():
         for r in results(tmp_path, "errors-" + case):
             assert r["error"] is not None, (case, text[-2000:])

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import slimgc_mx.torch as slimgc  # noqa: E402
-from torch_launch import results, torchrun  # noqa: E402
+from torch_launch import Batch, results  # noqa: E402
 
 MAX_NORM = 0.5
 
@@ -62,8 +62,18 @@ def test_bad_arguments_are_refused():
     opt.close()
 
 
+#: The two-rank jobs below, in one torchrun (a job asked for that is not listed runs alone).
+SHARED = Batch(
+    ("clip.py", "ddp,slimgc,plain", json.dumps(
+        {"max_norm": MAX_NORM, "compression": "none", "backup": False})),
+    ("clip.py", "slimgc", json.dumps(
+        {"max_norm": MAX_NORM, "compression": "2bit", "backup": True, "momentum": 0,
+         "probe": True, "steps": 30, "comm_threshold": 0, "warmup_steps": 3,
+         "fuse_compressed": 4096})))
+
+
 def run_ok(*args, **kw):
-    code, text = torchrun(*args, **kw)
+    code, text = SHARED.run(*args, **kw)
     assert code == 0, text[-4000:]
     return text
 

@@ -1,10 +1,14 @@
 """Runs a script of tests/torch_jobs under torchrun (torch.distributed.run) with N CPU ranks
 over Gloo, and reads back what each rank wrote: the PyTorch adapter's multi-process tests."""
+import atexit
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -17,18 +21,85 @@ def free_port():
 
 
 def torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
-    """Run tests/torch_jobs/SCRIPT under torchrun; (returncode, output). Ranks write to `out`."""
+    """Run tests/torch_jobs/SCRIPT under torchrun; (returncode, output). Ranks write to `out`.
+    Past `timeout` seconds the job, ranks included, is killed and TimeoutExpired raised."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *extra,
            os.path.join(HERE, "torch_jobs", script), str(out), *map(str, args)]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SLIMGC_")}
     environ.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "SLIMGC_TIMEOUT": "60"})
     environ.update(env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environ,
-                          cwd=ROOT)
-    return proc.returncode, proc.stdout + proc.stderr
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=environ, cwd=ROOT, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+            proc.communicate()
+            raise
+    return proc.returncode, stdout + stderr
 
 
 def results(out, name, nproc=2):
     """Every rank's JSON record `name`."""
     return [json.load(open(os.path.join(out, "%s_%d.json" % (name, r)))) for r in range(nproc)]
+
+
+class Batch:
+    """Jobs of tests/torch_jobs, each (script, args...), that one torchrun runs one after the
+    other in the same two ranks (torch_jobs/batch.py) when a test first asks for one of
+    them: most of a small job's time is the start of its ranks (three interpreters
+    importing torch, the group), paid here once for all of them. Each job writes to a
+    folder of its own, as alone; run() copies that into the test's `out`.
+
+    A test file lists its jobs once and calls Batch.run where it called torchrun: a job
+    not listed, or one that needs torchrun options, an environment or another rank count,
+    runs in a torchrun of its own as before."""
+
+    def __init__(self, *jobs, timeout=1800):
+        self.jobs = [tuple(map(str, job)) for job in jobs]
+        self.timeout = timeout
+        self.root = None
+        self.code, self.text = None, ""
+
+    def run(self, script, out, *args, **torchrun_options):
+        """(returncode, output) of the job, as torchrun(script, out, *args) gives them."""
+        job = (script,) + tuple(map(str, args))
+        torchrun_options.pop("timeout", None)  # the batch has its own
+        if torchrun_options or job not in self.jobs:
+            return torchrun(script, out, *args, **torchrun_options)
+        if self.root is None:
+            self._run_all()
+        folder = self._folder(self.jobs.index(job))
+        if not all(os.path.exists(os.path.join(folder, ".done_%d" % r)) for r in range(2)):
+            return self.code or 1, "%s\n%s did not finish: the batch ended with status %s%s" % (
+                self.text, " ".join(job), self.code, self._failures())
+        shutil.copytree(folder, str(out), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".done_*"))
+        return 0, self.text
+
+    def _failures(self):
+        """The tracebacks of the job that ended the batch, written by its ranks."""
+        text = ""
+        for number in range(len(self.jobs)):
+            for rank in range(2):
+                path = os.path.join(self._folder(number), ".failed_%d" % rank)
+                if os.path.exists(path):
+                    text += "\n" + open(path).read()
+        return text
+
+    def _folder(self, number):
+        return os.path.join(self.root, "job%02d" % number)
+
+    def _run_all(self):
+        self.root = tempfile.mkdtemp(prefix="torch-batch-")
+        atexit.register(shutil.rmtree, self.root, True)
+        specs = []
+        for number, (script, *args) in enumerate(self.jobs):
+            os.mkdir(self._folder(number))
+            specs.append([script, self._folder(number), *args])
+        try:
+            self.code, self.text = torchrun("batch.py", self.root, json.dumps(specs),
+                                            timeout=self.timeout)
+        except subprocess.TimeoutExpired as exc:
+            self.code, self.text = -signal.SIGKILL, "the batch ran past %d s" % exc.timeout
