@@ -250,9 +250,9 @@ def did_you_mean(name, compressor=None):
 
 
 def _check_none_takes_no_options(compressor, explicit, source):
-    """Refuse a threshold or codec option given with compressor 'none' (full precision
-    uses none, so it would be dropped without a word); the environment's are not refused,
-    as it may serve jobs of several codecs."""
+    """Refuse a threshold or codec option given explicitly with compressor 'none', which
+    would drop it without a word; the environment's are not refused, as it may serve jobs
+    of several codecs."""
     if compressor != "none":
         return
     given = dict(explicit.get("codec_options") or {})
