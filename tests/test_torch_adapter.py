@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from torch_launch import Batch, results  # noqa: E402
+from torch_launch import Batch, results, torchrun  # noqa: E402
 
 
 def run_ok(*args, **kw):

@@ -6,6 +6,7 @@ in flight) must live in the optimizer. step() hands each parameter's gradient to
 with backup the parameter gets loc_buf (this rank's gradient applied to glo_buf by the
 optimizer's own rule) at once, and glo_buf gets the mean gradient's step when the sum arrives.
 """
+import atexit
 import dataclasses
 import datetime
 import time
@@ -65,6 +66,15 @@ def init_process_group(backend="gloo", timeout=None):
     store = dist.PrefixStore("slimgc/attempt_%s" % job.attempt, store)
     _rendezvous(store, world, timeout, "%s: the rendezvous at %s:%d" % (who, host, port))
     dist.init_process_group(backend, store=store, rank=job.rank, world_size=world, timeout=span)
+    atexit.register(_destroy_own_group)
+
+
+def _destroy_own_group():
+    """At exit, the group init_process_group made is destroyed while the interpreter is
+    alive: a group and its store torn down during the interpreter's finalization can abort
+    the process ('terminate called without an active exception') after the job is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _rendezvous(store, world, timeout, where):
