@@ -95,3 +95,41 @@ def test_the_gpu_2bit_hook_without_the_device_codec_feeds_back_its_error():
         dist.all_reduce = real
     assert torch.equal(out, q * 0.5)
     assert torch.allclose(out + e["residual"], sent)
+
+
+def test_a_rank_that_aborts_at_exit_after_its_result_keeps_it(tmp_path, monkeypatch):
+    """The known abort at exit follows the measured steps: the row stays, noted; any other
+    failure, or a missing result, is still an error."""
+    import argparse
+    from slimgc_mx.bench import gpu
+
+    def fake_popen(cmd, stdout, stderr, env, start_new_session):
+        out, rank = cmd[-1], int(env["RANK"])
+        code = dict(ok=0, abort=-6, crash=-11)[MODE[rank]]
+        if MODE[rank] != "crash":
+            with open(out, "w") as f:
+                json.dump({"rank": rank, "ms_step": 1.0, "samples_per_s": 1.0, "peak_gib": None,
+                           "ms_fwd_bwd": 0.5, "ms_opt_step": 0.5}, f)
+        if code:
+            stdout.write(gpu.EXIT_ABORT + "\n" if code == -6 else "Segmentation fault\n")
+            stdout.flush()
+
+        class Done:
+            returncode = code
+            pid = 0
+
+            def poll(self):
+                return code
+
+        return Done()
+
+    monkeypatch.setattr(gpu.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(gpu, "_kill", lambda running: None)
+    args = argparse.Namespace(batch=2, steps=1, warmup=0, device="cpu", timeout=5)
+    MODE = ["ok", "abort"]
+    kept = gpu.run_config("no-ddp", "tiny", 2, args, str(tmp_path))
+    assert kept["status"] == "ok" and kept["exit_abort"] == [1] and len(kept["ranks"]) == 2
+    assert "aborted at exit" in gpu._notes(kept)
+    MODE[1] = "crash"
+    lost = gpu.run_config("no-ddp", "tiny", 2, args, str(tmp_path))
+    assert lost["status"] == "error" and "exit_abort" not in lost
