@@ -44,3 +44,23 @@ def test_riders_tell_every_rank_whether_all_sent_the_same_and_leave_exchanges_in
     for case, r in ranks[0].items():
         assert r["intact"], case
         assert r["same"] is case.endswith("False"), case
+
+
+def test_a_job_is_rerun_once_after_the_known_abort_at_exit_only(monkeypatch):
+    import torch_launch
+    calls = []
+
+    def fake(script, out, *args, **kw):
+        calls.append(script)
+        return answers.pop(0)
+
+    monkeypatch.setattr(torch_launch, "_torchrun", fake)
+    answers = [(1, "done\n" + torch_launch.EXIT_ABORT), (0, "done")]
+    with pytest.warns(UserWarning, match="aborted at exit"):
+        assert torch_launch.torchrun("x.py", "out") == (0, "done")
+    answers, calls[:] = [(1, "RuntimeError: bad option"), (0, "never")], []
+    assert torch_launch.torchrun("x.py", "out") == (1, "RuntimeError: bad option")
+    assert calls == ["x.py"]
+    answers = [(1, torch_launch.EXIT_ABORT), (1, torch_launch.EXIT_ABORT)]
+    with pytest.warns(UserWarning):
+        assert torch_launch.torchrun("x.py", "out")[0] == 1  # twice: returned

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -20,9 +21,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+#: What a rank prints when it aborts while its interpreter exits, after its work (a known
+#: defect of some Gloo jobs, not found yet: see bench/gpu.py EXIT_ABORT).
+EXIT_ABORT = "terminate called without an active exception"
+
+
 def torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
     """Run tests/torch_jobs/SCRIPT under torchrun; (returncode, output). Ranks write to `out`.
-    Past `timeout` seconds the job, ranks included, is killed and TimeoutExpired raised."""
+    Past `timeout` seconds the job, ranks included, is killed and TimeoutExpired raised. A job
+    that fails by the known abort at exit is run once more, with a warning; a second failure
+    of any kind is returned."""
+    code, text = _torchrun(script, out, *args, nproc=nproc, timeout=timeout, extra=extra,
+                           env=env)
+    if code != 0 and EXIT_ABORT in text:
+        warnings.warn("%s aborted at exit (%r); running it once more" % (script, EXIT_ABORT))
+        code, text = _torchrun(script, out, *args, nproc=nproc, timeout=timeout, extra=extra,
+                               env=env)
+    return code, text
+
+
+def _torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *extra,
            os.path.join(HERE, "torch_jobs", script), str(out), *map(str, args)]
