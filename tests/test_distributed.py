@@ -30,11 +30,18 @@ def _job(tmp_path, name, *args, options=()):
     return ranks, weights
 
 
+@pytest.fixture(scope="module")
+def dist_sync_weights(tmp_path_factory):
+    """The weights of MXNet's own dist_sync on the job, once for the tests that compare."""
+    return _job(tmp_path_factory.mktemp("ref"), "dist_sync", "--kvstore", "dist_sync",
+                "--steps", "20")[1]
+
+
 @pytest.mark.parametrize("piece_bytes", [None, 1024])
-def test_none_without_backup_follows_mxnet_dist_sync(tmp_path, piece_bytes):
+def test_none_without_backup_follows_mxnet_dist_sync(tmp_path, piece_bytes, dist_sync_weights):
     # With 1 KiB pieces the 8 KiB weight, its fused bucket and the broadcast of the initial
     # weights all travel as pieces under their own wire keys.
-    _, ref = _job(tmp_path, "dist_sync", "--kvstore", "dist_sync", "--steps", "20")
+    ref = dist_sync_weights
     options = [] if piece_bytes is None else ["--env", "SLIMGC_PIECE_BYTES:%d" % piece_bytes]
     info, ours = _job(tmp_path, "slimgc", "--kvstore", "slimgc", "--compressor", "none",
                       "--no-backup", "--steps", "20", options=options)
