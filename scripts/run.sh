@@ -2,7 +2,12 @@
 # One entry point for a fresh machine: creates/updates the project venv, builds the
 # Cython kernels, then runs what was asked.
 #
-#   bash scripts/run.sh test [PYTEST_ARGS...]   # the test suite
+#   bash scripts/run.sh test [PYTEST_ARGS...]   # the whole test suite (what CI runs)
+#   bash scripts/run.sh test --quick [ARGS...]  # the quick tier, under 2 minutes on 2 cores:
+#                                               # the engine's, codecs' and adapters' unit
+#                                               # tests, pytest -m "not slow" (tests that
+#                                               # launch processes or train for seconds are
+#                                               # marked slow)
 #   bash scripts/run.sh train [TRAIN_ARGS...]   # the main job: 2 workers + 2 servers, slimgc 2bit,
 #                                               # MNIST-1D, on an emulated 1 Gbit/s cluster when
 #                                               # this machine can make one (root, namespaces);
@@ -68,10 +73,17 @@ case "$cmd" in
     setup)
         setup ;;
     test)
+        quick=()
+        if [ "${1:-}" = --quick ]; then
+            shift
+            quick=(-m "not slow")
+        fi
         setup
-        system_tools
+        if [ ${#quick[@]} -eq 0 ]; then
+            system_tools  # the quick tier has no multi-host test
+        fi
         [ $# -eq 0 ] && set -- tests
-        exec "$VENV/bin/python" -m pytest -q "$@" ;;
+        exec "$VENV/bin/python" -m pytest -q "${quick[@]}" "$@" ;;
     train)
         setup
         framework=mxnet help=0 prev=

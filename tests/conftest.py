@@ -1,6 +1,9 @@
 """Without MXNet (a NumPy/PyTorch-only machine) the tests that need it skip, with the reason,
 and the rest run; likewise the experiments' optional packages. Nothing here acts where the
-packages are installed (requirements.txt installs them all)."""
+packages are installed (requirements.txt installs them all).
+
+A test marked multiprocess is marked slow as well, so that the quick tier
+(bash scripts/run.sh test --quick: pytest -m "not slow") leaves it out."""
 import importlib.util
 
 import pytest
@@ -46,3 +49,11 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0, "Skipped: " + _reason(name))
     return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A multiprocess test is slow too: the quick tier (-m "not slow") leaves it out."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)

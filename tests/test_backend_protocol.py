@@ -35,6 +35,7 @@ def test_every_codec_through_the_host_engine_is_its_reference(name, num_workers)
                             "%s: sum of step %d on rank %d" % (name, step, rank))
 
 
+@pytest.mark.slow
 def test_the_host_engine_loads_no_framework():
     code = ("import numpy as np, host_engine\n"
             "g = [[np.full(300, r + 1, np.float32) for r in range(2)] for _ in range(2)]\n"
@@ -67,6 +68,7 @@ def test_mxnet_classes_implement_the_protocol():
     assert isinstance(ArrayOps(), backend.Arrays)
 
 
+@pytest.mark.slow
 def test_the_model_backup_runs_on_host_arrays():
     """backup.py's state machine over HostArrays: local step, publish after the flag,
     backup off waiting for w_{i+1}, flush and state_dict, with no framework loaded."""

@@ -7,6 +7,7 @@ from slimgc_mx import bench, codecs
 from slimgc_mx.bench import codecs as bench_codecs
 
 
+@pytest.mark.slow
 def test_codecs_bench_writes_the_documented_keys(tmp_path, capsys):
     out = tmp_path / "codecs.json"
     rc = bench.main(["codecs", "--size", "5000", "--repeat", "1", "--reference-repeat", "1",

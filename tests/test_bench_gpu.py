@@ -25,6 +25,7 @@ def _bench(*args, timeout=240):
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     r = _bench("--model", "tiny", "--device", "cpu", "--procs", "1,2", "--steps", "3",
                "--warmup", "1", "--configs", ",".join(CONFIGS), "--out", str(tmp_path))
@@ -53,6 +54,7 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     assert sum(line.startswith("tiny ") for line in r.stdout.splitlines()) == 8
 
 
+@pytest.mark.slow
 def test_a_failing_config_is_recorded_and_the_others_still_run(tmp_path):
     from slimgc_mx.bench import gpu
     args = gpu.parse_args(["--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup",
@@ -63,6 +65,7 @@ def test_a_failing_config_is_recorded_and_the_others_still_run(tmp_path):
     assert good["status"] == "ok" and good["ms_step"] > 0
 
 
+@pytest.mark.slow
 def test_bad_arguments_name_the_problem():
     r = _bench("--configs", "ddp,nonesuch")
     assert r.returncode == 2 and "nonesuch" in r.stderr and "slimgc-offload" in r.stderr

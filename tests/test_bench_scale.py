@@ -250,6 +250,7 @@ def test_tabulated_models_have_their_published_sizes():
     assert shapes.get("resnet50").forward_flops == pytest.approx(8.2e9, rel=0.01)
 
 
+@pytest.mark.slow
 def test_harness_models_match_the_gluon_models():
     pytest.importorskip("mxnet")
     r = subprocess.run([sys.executable, "-c", """
@@ -293,6 +294,7 @@ def test_cli_writes_the_table_json_and_figure(tmp_path, capsys):
     assert set(table["stops_paying"]) == {"2bit-full", "topk-alone"}
 
 
+@pytest.mark.slow
 def test_cli_help_runs_as_a_subcommand():
     r = subprocess.run([sys.executable, "-m", "slimgc_mx.bench", "scale", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120,
@@ -324,6 +326,7 @@ def test_bad_input_exits_2_with_the_problem_named(argv, words, capsys):
 
 # ---------------------------------------------------------------- rates and links from files
 
+@pytest.mark.slow
 def test_rates_come_from_a_bench_codecs_json(tmp_path, capsys):
     path = tmp_path / "codecs.json"
     r = subprocess.run([sys.executable, "-m", "slimgc_mx.bench", "codecs", "--size", "4096",

@@ -5,7 +5,10 @@ import site
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # runs setup.py
 
 # Python 3.12's situation on this interpreter: no site hooks (setuptools' distutils shim is
 # not preinstalled) and the standard library's distutils refuses to import.

@@ -88,6 +88,7 @@ def test_the_launchers_torch_mode_in_namespaces_binds_each_workers_eth0():
      "--launcher local or netns"),
     (["-n", "2", "--framework", "torch", "--env-server", "A:1"], "--env-server"),
 ])
+@pytest.mark.slow
 def test_the_launchers_torch_mode_refuses_what_it_cannot_do(argv, message, tmp_path):
     r = subprocess.run([sys.executable, "-m", "slimgc_mx.launch"] + argv + ["--", "true"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -128,6 +128,7 @@ def test_the_override_alone_changes_nothing():
     assert not c.option_values["error_feedback"]
 
 
+@pytest.mark.slow
 def test_the_script_refuses_a_divergent_option_without_a_traceback():
     r = subprocess.run([sys.executable, SCRIPT, "--codec", "qsgd", "--threads", "2",
                         "--option", "error_feedback=true"], cwd=ROOT, capture_output=True,
@@ -136,6 +137,7 @@ def test_the_script_refuses_a_divergent_option_without_a_traceback():
     assert "allow_unbiased_feedback=true" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_the_script_refuses_a_bad_threshold_naming_the_flag():
     r = subprocess.run([sys.executable, SCRIPT, "--codec", "2bit", "--threads", "2",
                         "--comm-threshold", "-1"], cwd=ROOT, capture_output=True, text=True,

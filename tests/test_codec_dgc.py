@@ -16,7 +16,7 @@ WARM = {"ratio": 0.01, "warmup_stage_steps": 1}
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3, 16])
-@pytest.mark.parametrize("size", [1, 7, 4097, 70001])
+@pytest.mark.parametrize("size", [1, 7, 4097, pytest.param(70001, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", [{}, {"ratio": 0.05, "clip_norm": 5.0, "sample_ratio": 0.001},
                                      WARM])
 def test_kernel_equals_reference(n_workers, size, options):

@@ -39,7 +39,7 @@ OPTIONS = [{}, {"delta_slack": 6, "refresh": 1, "max_code_bits": 3}]
 
 # ---------------------------------------------------------------- the contract
 @pytest.mark.parametrize("n_workers", [1, 2, 3])
-@pytest.mark.parametrize("size", [0, 1, 7, 4097, 20001])
+@pytest.mark.parametrize("size", [0, 1, 7, 4097, pytest.param(20001, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", OPTIONS)
 def test_kernel_equals_reference(n_workers, size, options):
     check_kernel_equals_reference("gcomp", n_workers, size, options=options)
@@ -52,6 +52,7 @@ def test_kernel_equals_reference_with_the_optimizer_view(kind, options):
                                   views=views(kind))
 
 
+@pytest.mark.slow
 def test_kernel_equals_reference_many_workers():
     check_kernel_equals_reference("gcomp", 16, 5000, steps=2, views=views())
 
@@ -279,6 +280,7 @@ def test_bad_options_name_the_option(option, bad):
 # ---------------------------------------------------------------- the kvstore
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [True, False])
 def test_allreduce_over_threads_gathers_and_decodes_like_the_reference(offload):
     pytest.importorskip("mxnet")

@@ -11,7 +11,7 @@ from slimgc_mx.codecs.randomk import strata_indices
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3, 16])
-@pytest.mark.parametrize("size", [1, 7, 4097, 200_003])
+@pytest.mark.parametrize("size", [1, 7, 4097, pytest.param(200_003, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", [{}, {"ratio": 0.3}, {"ratio": 1.0}])
 def test_kernel_equals_reference(n_workers, size, options):
     check_kernel_equals_reference("randomk", n_workers, size, options=options)

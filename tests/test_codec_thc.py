@@ -15,7 +15,7 @@ ROTATED = {"hadamard": True}
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3, 16])
-@pytest.mark.parametrize("size", [1, 7, 4097, 70001])
+@pytest.mark.parametrize("size", [1, 7, 4097, pytest.param(70001, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", [{}, {"granularity": 2, "allow_unbiased_feedback": True},
                                      {"granularity": 5, **ROTATED}])
 def test_kernel_equals_reference(n_workers, size, options):

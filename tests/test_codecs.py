@@ -98,6 +98,7 @@ def test_kernels_equal_reference_and_sums_are_exact(name, n_workers, size, seed,
             assert_same(out_cy, check._values(levels, n_workers))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL_CODECS)
 def test_large_array_and_thread_counts(name):
     rng = np.random.default_rng(11)

@@ -122,6 +122,7 @@ def recipe(tmp_path_factory):
         registry._REFERENCES.pop("nearest3", None)
 
 
+@pytest.mark.slow
 def test_the_recipe_registers(recipe):
     module, built = recipe
     assert "nearest3" in codecs.available()
@@ -131,6 +132,7 @@ def test_the_recipe_registers(recipe):
     assert hasattr(built, "encode_nearest3")
 
 
+@pytest.mark.slow
 def test_levels_are_the_nearest_of_three(recipe):
     c = codecs.create("nearest3", threshold=1.0, num_threads=1)
     g = np.array([0.2, 0.5, -0.5, 0.7, -2.0, -0.49], np.float32)
@@ -143,10 +145,12 @@ def test_levels_are_the_nearest_of_three(recipe):
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3, 16])
 @pytest.mark.parametrize("size", [1, 7, 4097, 70001])
+@pytest.mark.slow
 def test_kernel_equals_reference(recipe, n_workers, size):
     contract.check_kernel_equals_reference("nearest3", n_workers, size)
 
 
+@pytest.mark.slow
 def test_the_codec_contract(recipe):
     contract.check_threads_bitwise_equal("nearest3")
     contract.check_sums_in_any_order_decode_alike("nearest3")
@@ -155,6 +159,7 @@ def test_the_codec_contract(recipe):
     contract.check_state_round_trip("nearest3", {})
 
 
+@pytest.mark.slow
 def test_a_nonfinite_gradient_is_refused_before_anything_is_written(recipe):
     c = codecs.create("nearest3")
     g = np.ones(100, np.float32)
@@ -165,6 +170,7 @@ def test_a_nonfinite_gradient_is_refused_before_anything_is_written(recipe):
     assert (r == 0.25).all()
 
 
+@pytest.mark.slow
 def test_the_fused_local_update_is_the_two_passes(recipe):
     _, built = recipe
     n, workers = 150001, 3
@@ -184,6 +190,7 @@ def test_the_fused_local_update_is_the_two_passes(recipe):
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.slow
 def test_the_ndarray_levels_equal_the_kernel(recipe):
     pytest.importorskip("mxnet")
     import test_device

@@ -39,6 +39,7 @@ def test_the_fused_summary_speaks_of_compressed_buckets_only_when_they_are_on(
 
 # -- scripts/train.py: user errors ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_codec_option_that_does_not_parse_is_shown_as_typed():
     r = _train("--compressor", "topk", "--codec-option", "ratio=abc", "--epochs", "1")
     assert r.returncode == 2, r.stderr[-2000:]
@@ -47,6 +48,7 @@ def test_a_codec_option_that_does_not_parse_is_shown_as_typed():
 
 
 @pytest.mark.parametrize("below", ["", "run1"])
+@pytest.mark.slow
 def test_a_checkpoint_dir_that_is_a_file_is_a_usage_error(tmp_path, below):
     existing = tmp_path / "ckpt"
     existing.write_text("not a directory")
@@ -142,6 +144,7 @@ def test_the_quick_run_of_two_codecs_completes(capsys):
 
 # -- python -m slimgc_mx.launch.netns ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_netns_module_runs_without_runpys_warning():
     """run.sh's `python -m slimgc_mx.launch.netns --check` printed runpy's RuntimeWarning:
     the package imported the module before runpy executed it."""

@@ -618,6 +618,7 @@ for backup in (True, False):
 """
 
 
+@pytest.mark.slow
 def test_naive_engine_trains_the_same_weights():
     """Engine operators (the SGD kernel's local update, write holds) also run under
     MXNet's NaiveEngine, which executes every operator at once in the pushing thread."""

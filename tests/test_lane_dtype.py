@@ -214,6 +214,7 @@ def _dist_job(tmp_path, name, options):
 
 
 @pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.slow
 def test_auto_on_servers_without_the_server_environment(tmp_path, forced):
     """Servers started without the launcher's environment may sum float64 in float32
     (forced: a 0xfe-filled heap makes every server do so): lane_dtype=auto finishes
@@ -230,6 +231,7 @@ def test_auto_on_servers_without_the_server_environment(tmp_path, forced):
     assert warned == (1 if info[0]["lanes32"] else 0)
 
 
+@pytest.mark.slow
 def test_float32_lanes_equal_float64_lanes_on_exact_servers(tmp_path):
     _, i64, w64 = _dist_job(tmp_path, "f64", ["--env", "SLIMGC_LANE_DTYPE:float64"])
     _, i32, w32 = _dist_job(tmp_path, "f32", ["--env", "SLIMGC_LANE_DTYPE:float32"])

@@ -170,6 +170,7 @@ def parse_env_lines(stdout):
 
 # ---------------------------------------------------------------- local mode
 
+@pytest.mark.slow
 def test_local_env_roles_counts_and_prefixes(job):
     code, stdout, stderr = job.run(
         ["-n", "2", "-s", "1", "--env", "T_ALL:a", "--env", "T_FROM_SHELL",
@@ -263,6 +264,7 @@ def test_servers_default_to_workers_and_round_robin_plan(tmp_path):
     assert plan[4].env["DMLC_NODE_HOST"] == "h1"
 
 
+@pytest.mark.slow
 def test_worker_exit_status_propagates_and_others_stop(job):
     start = time.monotonic()
     code, _, stderr = job.run(["-n", "3", "-s", "1", "--kill-grace", "1"], job.cmd("exit7"))
@@ -272,6 +274,7 @@ def test_worker_exit_status_propagates_and_others_stop(job):
     assert_all_gone(job.out)
 
 
+@pytest.mark.slow
 def test_lingering_servers_are_terminated_after_success(job):
     """Workers that joined (said their rank) and succeeded; servers that never exit."""
     code, _, stderr = job.run(["-n", "1", "-s", "2", "--linger", "0.5", "--kill-grace", "1"],
@@ -281,6 +284,7 @@ def test_lingering_servers_are_terminated_after_success(job):
     assert_all_gone(job.out)
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_stops_whole_job(job):
     p = job.start(["-n", "2", "-s", "2", "--kill-grace", "1"], job.cmd("hang"))
     try:
@@ -297,6 +301,7 @@ def test_sigkilled_worker_stops_whole_job(job):
     assert_all_gone(job.out)
 
 
+@pytest.mark.slow
 def test_max_restarts_starts_the_whole_job_again_until_it_succeeds(job):
     code, _, stderr = job.run(["-n", "2", "-s", "1", "--kill-grace", "1", "--linger", "0.2",
                                "--max-restarts", "2"], job.cmd("flaky", 2), timeout=60)
@@ -311,6 +316,7 @@ def test_max_restarts_starts_the_whole_job_again_until_it_succeeds(job):
     assert_all_gone(job.out)
 
 
+@pytest.mark.slow
 def test_max_restarts_exhausted_exits_with_the_last_attempts_status(job):
     code, _, stderr = job.run(["-n", "2", "-s", "1", "--kill-grace", "1",
                                "--max-restarts", "1"], job.cmd("flaky", 5), timeout=60)
@@ -320,12 +326,14 @@ def test_max_restarts_exhausted_exits_with_the_last_attempts_status(job):
     assert_all_gone(job.out)
 
 
+@pytest.mark.slow
 def test_max_restarts_must_not_be_negative(job):
     code, _, stderr = job.run(["--max-restarts", "-1", "-n", "1"], job.cmd("env"))
     assert code == 2 and "--max-restarts must be >= 0" in stderr
 
 
 @pytest.mark.parametrize("restarts", ["0", "2"])  # a launcher told to stop does not restart
+@pytest.mark.slow
 def test_sigint_to_launcher_tears_down(job, restarts):
     p = job.start(["-n", "1", "-s", "1", "--kill-grace", "1", "--max-restarts", restarts],
                   job.cmd("hang"))
@@ -341,6 +349,7 @@ def test_sigint_to_launcher_tears_down(job, restarts):
     assert_all_gone(job.out)
 
 
+@pytest.mark.slow
 def test_sigkill_to_launcher_still_cleans_up(job):
     p = job.start(["-n", "1", "-s", "1", "--kill-grace", "1"], job.cmd("hang"))
     try:
@@ -361,6 +370,7 @@ def write_fake_ssh(path):
     return path
 
 
+@pytest.mark.slow
 def test_ssh_mode_through_fake_ssh_on_path(job):
     bindir = job.tmp / "bin"
     bindir.mkdir()
@@ -397,6 +407,7 @@ def test_ssh_mode_through_fake_ssh_on_path(job):
         assert c["command"].startswith(f"cd {job.out} && export ")
 
 
+@pytest.mark.slow
 def test_ssh_failure_stops_remote_sessions(job):
     fake = write_fake_ssh(job.tmp / "fakessh")
     hostfile = job.tmp / "hosts"
@@ -419,6 +430,7 @@ def test_ssh_failure_stops_remote_sessions(job):
     ("h:notaport\n", "line 1"),
     ("h:70000\n", "line 1"),
 ])
+@pytest.mark.slow
 def test_bad_hostfile_is_a_clear_usage_error(job, content, message):
     hostfile = job.tmp / "hosts"
     if content is not None:
@@ -431,12 +443,14 @@ def test_bad_hostfile_is_a_clear_usage_error(job, content, message):
 
 # ---------------------------------------------------------------- usage errors
 
+@pytest.mark.slow
 def test_missing_command_is_a_usage_error(job):
     code, _, stderr = job.run(["-n", "2"], [])
     assert code == 2
     assert "usage:" in stderr and "missing COMMAND" in stderr
 
 
+@pytest.mark.slow
 def test_occupied_port_is_named_with_the_fix(job):
     with socket.socket() as s:
         s.bind(("", 0))
@@ -448,12 +462,14 @@ def test_occupied_port_is_named_with_the_fix(job):
     assert not read_pids(job.out)
 
 
+@pytest.mark.slow
 def test_command_that_cannot_start(job):
     code, _, stderr = job.run(["-n", "1", "-s", "1"], ["no-such-program-slimgc", "x"])
     assert code == 127
     assert "cannot start scheduler" in stderr and "no-such-program-slimgc" in stderr
 
 
+@pytest.mark.slow
 def test_unsupported_options_say_so(job):
     code, _, stderr = job.run(["-n", "1", "--sync-dst-dir", "/x"], job.cmd("env"))
     assert code == 2 and "--sync-dst-dir is not supported" in stderr

@@ -80,6 +80,7 @@ def test_commands_it_cannot_wrap_run_as_given_and_say_why(tmp_path):
     assert prepared.command == ["python", "nowhere.py"] and "ssh" in prepared.as_given
 
 
+@pytest.mark.slow
 def test_a_missing_script_is_named_before_anything_starts(tmp_path):
     for given in (["python", "trian.py"], ["python3", "-u", "trian.py"], [PY, "trian.py"],
                   ["python", "-m", "slimgc_mx.run", "trian.py"]):
@@ -92,6 +93,7 @@ def test_a_missing_script_is_named_before_anything_starts(tmp_path):
     assert "Traceback" not in stderr and "can't open file" not in stderr
 
 
+@pytest.mark.slow
 def test_a_port_out_of_range_is_a_usage_error_naming_the_range(tmp_path):
     (tmp_path / "train.py").write_text("")
     for port in ("70000", "-1", "http"):
@@ -112,6 +114,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_bare_python_is_the_launchers_own_not_the_first_on_path(tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     env = fake_python(tmp_path)
@@ -130,6 +133,7 @@ def test_a_bare_python_is_the_launchers_own_not_the_first_on_path(tmp_path):
     assert code == 3 and "not the launcher's python" in stderr
 
 
+@pytest.mark.slow
 def test_slimgc_mx_run_runs_a_module_or_script_as_python_would(tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": REPO, "DMLC_ROLE": "worker"}
@@ -144,6 +148,7 @@ def test_slimgc_mx_run_runs_a_module_or_script_as_python_would(tmp_path):
         assert seen["argv"] == argv and seen["run"] and seen["path0"] == path0
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_import_a_module_names_its_interpreter(tmp_path):
     (tmp_path / "job.py").write_text(textwrap.dedent('''
         import os, time
@@ -174,6 +179,7 @@ NEVER_JOINED = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_workers_that_never_joined_the_servers_fail_the_job(tmp_path):
     (tmp_path / "job.py").write_text(NEVER_JOINED)
     opts = ["-n", "2", "-s", "1", "--linger", "0.5", "--kill-grace", "1"]

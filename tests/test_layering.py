@@ -78,6 +78,7 @@ def test_the_import_check_sees_every_form_of_importing_mxnet(tmp_path):
     assert _mxnet_imports(os.path.join(ROOT, "slimgc_mx", "mxnet", "kvstore.py"))
 
 
+@pytest.mark.slow
 def test_importing_every_module_outside_the_adapter_leaves_mxnet_unloaded():
     """Indirectly too: a module importing the adapter at import time would load MXNet."""
     r = _python("import importlib, sys\n"
@@ -112,6 +113,7 @@ def test_the_engine_imports_neither_framework():
     assert r.stdout.strip() == "[]", "importing the engine loads %s" % r.stdout.strip()
 
 
+@pytest.mark.slow
 def test_the_launcher_ignores_the_callers_dmlc_role_and_warns_nothing():
     """With DMLC_ROLE=server in the shell, importing MXNet would enter the server loop."""
     env = dict(os.environ, PYTHONPATH=ROOT, DMLC_ROLE="server", DMLC_NUM_WORKER="2",
@@ -141,6 +143,7 @@ print(original_step is trainer_mod.Trainer._allreduce_grads, hook is sys.excepth
                                    "import mxnet as mx\nimport slimgc_mx",
                                    # an inner module that imports MXNet, before MXNet
                                    "from slimgc_mx.mxnet.buffers import Buffer\nimport mxnet as mx"])
+@pytest.mark.slow
 def test_the_name_is_registered_in_either_import_order_and_hooks_wait_for_a_store(order):
     pytest.importorskip("mxnet")
     r = _python(_REGISTERED % order)
@@ -149,6 +152,7 @@ def test_the_name_is_registered_in_either_import_order_and_hooks_wait_for_a_stor
     assert r.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow
 def test_hooks_are_installed_once():
     pytest.importorskip("mxnet")
     r = _python("import mxnet as mx, slimgc_mx\n"

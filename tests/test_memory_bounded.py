@@ -88,6 +88,7 @@ def stream(cs, grads, residuals, size):
     return [c.decode(result, size, n) for c in cs], rounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reference, size, n", [(False, 600_007, 3), (True, 200_003, 2)])
 def test_gcomp_pieces_decode_as_the_whole_slot(reference, size, n):
     """Four pushes (the first at the top class, then the code table, sparse gradients, a

@@ -51,6 +51,7 @@ def test_the_cttab_warm_up_decides_on_the_numpy_backend():
     assert results[0][1]["transfers"] > 0
 
 
+@pytest.mark.slow
 def test_the_numpy_backend_loads_no_framework():
     code = ("import numpy_engine\n"
             "w0, g = numpy_engine.problem(2, 3)\n"

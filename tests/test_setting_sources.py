@@ -117,6 +117,7 @@ def _train(tmp_path, *args, **env):
     return r, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_train_script_passes_only_what_its_user_gave(tmp_path):
     """SLIMGC_* reach a train.py job whose command line does not set them, and a
     command-line value that beats one is said."""
@@ -130,6 +131,7 @@ def test_train_script_passes_only_what_its_user_gave(tmp_path):
 
 
 @pytest.mark.parametrize("routing", ["'warmup_steps': 4", "'comm_threshold': 1 << 20"])
+@pytest.mark.slow
 def test_a_gluon_script_without_logging_hears_the_cttab_decision(tmp_path, routing):
     """The README's Gluon shape, no logging configured: rank 0 prints what the CTTab chose
     (after the warm-up, or at the first step when comm_threshold fixes it) and, when it
@@ -155,6 +157,7 @@ def test_a_gluon_script_without_logging_hears_the_cttab_decision(tmp_path, routi
         assert "comm_threshold='off' compresses every tensor" in lines[0]
 
 
+@pytest.mark.slow
 def test_usage_md_reads_rank_and_worker_count_from_the_store(tmp_path):
     """docs/usage.md's recipe: create the store, read rank and num_workers, hand it to the
     Trainer; the Trainer then uses that very store."""

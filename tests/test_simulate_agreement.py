@@ -3,8 +3,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "simulate_agreement.py")
+pytestmark = pytest.mark.slow  # runs the script
 
 
 def _run(*args, timeout=300):

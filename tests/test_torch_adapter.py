@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # two-rank jobs under torchrun
 
 from torch_launch import Batch, results, torchrun  # noqa: E402
 

@@ -78,6 +78,7 @@ def run_ok(*args, **kw):
     return text
 
 
+@pytest.mark.slow
 def test_full_precision_without_backup_clips_as_ddp(tmp_path):
     """The weights are DDP's with torch's clip_grad_norm_ (which clips at every step here);
     torch's clip on the parameters under SlimGC clips each rank's own gradient instead."""
@@ -92,6 +93,7 @@ def test_full_precision_without_backup_clips_as_ddp(tmp_path):
     assert mine[0]["fused"] > 0  # fused buckets after the warm-up
 
 
+@pytest.mark.slow
 def test_compressed_with_backup_clips_both_updates(tmp_path):
     """2bit with backup, SGD without momentum: the global update moves the weights by
     lr * min(norm, max_norm) of the decoded mean gradient, the local one by lr * min(norm,

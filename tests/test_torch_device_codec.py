@@ -339,6 +339,7 @@ def _python(code):
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
+@pytest.mark.slow
 def test_codecs_import_no_torch_and_the_torch_codec_no_mxnet():
     r = _python("import sys, slimgc_mx.codecs; print('torch' in sys.modules)")
     assert r.returncode == 0, r.stderr

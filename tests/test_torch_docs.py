@@ -7,6 +7,7 @@ import sys
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # a two-rank job under torchrun
 
 from torch_launch import ROOT, free_port  # noqa: E402
 

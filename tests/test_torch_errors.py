@@ -20,6 +20,7 @@ def make(model=None, **options):
                                               model, **options)
 
 
+@pytest.mark.slow
 def test_import_needs_no_mxnet():
     code = ("import sys, slimgc_mx.torch; "
             "assert 'mxnet' not in sys.modules, sorted(m for m in sys.modules if 'mxnet' in m)")

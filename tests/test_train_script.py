@@ -8,6 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
+pytestmark = pytest.mark.slow  # every test runs the script
 
 
 def _run(*args, timeout=120):

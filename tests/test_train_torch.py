@@ -68,6 +68,7 @@ def test_ddp_without_a_job_says_how_to_start_one(monkeypatch):
         module.init_distributed(module.parse_args(["--kvstore", "ddp"]))
 
 
+@pytest.mark.slow
 def test_framework_torch_runs_without_importing_mxnet(tmp_path):
     out = tmp_path / "r.json"
     code = ("import runpy, sys\n"
@@ -105,6 +106,7 @@ def test_run_sh_train_framework_torch_runs_the_main_job_through_pytorch(tmp_path
     assert ranks[0]["kvstore_stats"]["compressor"] == "2bit"
 
 
+@pytest.mark.slow
 def test_run_sh_train_knows_its_frameworks():
     r = subprocess.run(["bash", "scripts/run.sh", "train", "--framework", "jax"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # each test runs pytest in a fresh interpreter
 
 _TESTS = {
     "test_top.py": "import mxnet\n\ndef test_needs_it():\n    assert mxnet.nd\n",
