@@ -3,7 +3,8 @@ and the rest run; likewise the experiments' optional packages. Nothing here acts
 packages are installed (requirements.txt installs them all).
 
 A test marked multiprocess is marked slow as well, so that the quick tier
-(bash scripts/run.sh test --quick: pytest -m "not slow") leaves it out."""
+(bash scripts/run.sh test --quick: pytest -m "not slow") leaves it out. mnist1d_dir: the
+MNIST-1D arrays, generated once per session, for the launched jobs that train on them."""
 import importlib.util
 
 import pytest
@@ -57,3 +58,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def mnist1d_dir(tmp_path_factory):
+    """A folder holding MNIST-1D's arrays, generated once for the session: a launched job
+    given it as SLIMGC_DATA_DIR loads them, where each of its workers would otherwise
+    generate them again (seconds of CPU each)."""
+    pytest.importorskip("mnist1d")
+    from slimgc_mx.bench import datasets
+    path = str(tmp_path_factory.mktemp("mnist1d"))
+    datasets.load("mnist1d", cache_dir=path)
+    return path

@@ -174,7 +174,7 @@ def _skip_reason():
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces need Linux")
-def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
+def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path, mnist1d_dir):
     pytest.importorskip("mxnet")
     reason = _skip_reason()
     if reason:
@@ -186,7 +186,8 @@ def test_smoke_two_workers_on_rate_limited_namespaces(tmp_path):
             "--configs", "fp32,slimgc-2bit-full", "--linger", "3", "--out", str(out)]
     # An option in the caller's environment reaches the processes and the summary (the
     # default piece size: this model's buffers travel whole; test_distributed sends pieces)
-    env = {**os.environ, "SLIMGC_PIECE_BYTES": "1048576"}
+    env = {**os.environ, "SLIMGC_PIECE_BYTES": "1048576",
+           "SLIMGC_DATA_DIR": mnist1d_dir}  # generated once, not by each worker
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     try:

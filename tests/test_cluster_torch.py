@@ -135,10 +135,11 @@ def test_torch_rows_are_skipped_with_a_note_without_pytorch(monkeypatch, tmp_pat
 
 
 @pytest.mark.multiprocess
-def test_every_torch_configuration_runs_and_reports(tmp_path):
+def test_every_torch_configuration_runs_and_reports(tmp_path, monkeypatch, mnist1d_dir):
     """Two workers, a few steps each: on rate-limited namespaces where this machine can make
     them (bytes from eth0 then), else on loopback."""
     pytest.importorskip("torch")
+    monkeypatch.setenv("SLIMGC_DATA_DIR", mnist1d_dir)  # generated once, not by each worker
     out = tmp_path / "torch"
     configs = ["torch-ddp", "torch-fp16", "torch-powersgd", "slimgc-torch-2bit-full",
                "torch-no-comm"]

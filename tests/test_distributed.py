@@ -133,7 +133,9 @@ def test_servers_that_sum_float64_in_float32_stop_the_job_with_the_fix(tmp_path)
 
 
 @pytest.mark.slow
-def test_train_script_mnist1d_cnn_2bit_backup_reaches_90_percent(tmp_path):
+def test_train_script_mnist1d_cnn_2bit_backup_reaches_90_percent(tmp_path, monkeypatch,
+                                                                 mnist1d_dir):
+    monkeypatch.setenv("SLIMGC_DATA_DIR", mnist1d_dir)  # generated once, not by each worker
     out = tmp_path / "train"
     # A fixed threshold of 1000 elements: on loopback the CTTab would (rightly) find that
     # compression does not pay for this small model, and 2bit would never be exercised.

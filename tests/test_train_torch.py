@@ -89,7 +89,9 @@ def test_framework_torch_runs_without_importing_mxnet(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_run_sh_train_framework_torch_runs_the_main_job_through_pytorch(tmp_path):
+def test_run_sh_train_framework_torch_runs_the_main_job_through_pytorch(tmp_path, monkeypatch,
+                                                                      mnist1d_dir):
+    monkeypatch.setenv("SLIMGC_DATA_DIR", mnist1d_dir)  # generated once, not by each worker
     out = tmp_path / "r.json"
     r = subprocess.run(["bash", "scripts/run.sh", "train", "--framework", "torch", "--epochs",
                         "1", "--steps", "8", "--no-progress", "--json", str(out)], cwd=ROOT,
