@@ -9,6 +9,7 @@ import json
 import os
 import runpy
 import sys
+import time
 import traceback
 
 import torch.distributed as dist
@@ -41,6 +42,7 @@ def _fail(out, number, why):
 
 for number, (script, out, *args) in enumerate(jobs):
     print("[batch] rank %d: job %d: %s %s" % (rank, number, script, " ".join(args)), flush=True)
+    start = time.monotonic()
     sys.argv = [os.path.join(HERE, script), out, *args]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
@@ -51,4 +53,6 @@ for number, (script, out, *args) in enumerate(jobs):
         _fail(out, number, traceback.format_exc())
     dist.barrier()
     open(os.path.join(out, ".done_%d" % rank), "w").close()
+    print("[batch] rank %d: job %d done in %.1f s" % (rank, number, time.monotonic() - start),
+          flush=True)
 _destroy()
