@@ -96,6 +96,7 @@ def test_importing_every_module_outside_the_adapter_leaves_mxnet_unloaded():
 FRAMEWORK_FREE = ("slimgc_mx.engine", "slimgc_mx.codecs", "slimgc_mx.transport")
 
 
+@pytest.mark.slow
 def test_the_engine_imports_neither_framework():
     """Neither MXNet nor torch, anywhere in its code (function-level imports too), nor when
     every module of it is imported: what docs/backend.md says of the aggregator."""

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # two-rank jobs under torchrun
 
-from torch_launch import Batch, results, torchrun  # noqa: E402
+from torch_launch import Batch, results  # noqa: E402
 
 
 def run_ok(*args, **kw):
@@ -98,9 +98,12 @@ def test_amp_step_with_inf_on_one_rank_is_skipped_on_every_rank(tmp_path):
 ERRORS = {"options": ["threshold"], "optimizer": ["optimizer settings", "param group 0 lr="],
           "model": ["shape"], "nan": ["3.weight", "rank 1", "NaN"]}
 #: The jobs of this file's tests but the killed one, in one torchrun (a job asked for that is
-#: not listed runs alone); the one that goes wrong on purpose last.
+#: not listed runs alone); those that go wrong on purpose last.
 SHARED = Batch(
     ("train.py", "ddp,slimgc", json.dumps({"compression": "none", "backup": False})),
+    *(("train.py", "ddp,slimgc", json.dumps(
+        {"compression": "none", "backup": False, "optimizer": optimizer}))
+      for optimizer in ("adam", "adamw")),
     ("train.py", "ddp,slimgc", json.dumps(
         {"accumulate": 2, "steps": 8, "compression": "none", "backup": False})),
     *(("train.py", "slimgc", json.dumps({"compression": "2bit", "backup": backup,
@@ -111,6 +114,7 @@ SHARED = Batch(
     ("resume.py", "adam", "backup"),
     ("restart.py", "straight"), ("amp.py",),
     ("save_midway.py", "2bit", "backup"), ("save_midway.py", "2bit", "nobackup"),
+    ("settings.py", "backup", 12), ("settings.py", "nobackup", 12), ("settings.py", "backup", 19),
     ("errors.py", ",".join(ERRORS)))
 
 
@@ -152,7 +156,7 @@ def test_a_hyperparameter_changed_on_one_rank_fails_every_rank_naming_it(tmp_pat
     """Rank 1 alone sets its lr at step 12: it went unnoticed and the ranks' global weights
     parted. Now both ranks fail at the next step (at the last step: at the flush) naming
     the setting, the step and each rank's value, and no global weight of it is written."""
-    code, text = torchrun("settings.py", tmp_path, backup, at, timeout=180)
+    code, text = SHARED.run("settings.py", tmp_path, backup, at, timeout=180)
     ranks = results(tmp_path, "settings")  # (recorded before the exit, which Gloo's
     #                                         teardown now and then aborts, as before)
     for r in ranks:

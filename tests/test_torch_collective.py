@@ -31,6 +31,7 @@ def test_close_lets_go_of_the_group_and_refuses_later_collectives(one_rank):
         transport.broadcast(0, buf)
 
 
+@pytest.mark.slow
 def test_riders_tell_every_rank_whether_all_sent_the_same_and_leave_exchanges_intact(tmp_path):
     """TorchTransport.ride: the per-step settings check's values travel with the next
     exchange (a sum or a gather, float32 or float64), alone when it is too large or not an

@@ -8,6 +8,7 @@ import time
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # every test starts ranks in fresh interpreters
 
 from torch_launch import ROOT, free_port  # noqa: E402
 

@@ -7,18 +7,25 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # two-rank jobs under torchrun
 
-from torch_launch import results, torchrun  # noqa: E402
+from torch_launch import Batch, results  # noqa: E402
 
-
-@pytest.mark.parametrize("options", [
+OPTIONS = [
     {"compression": "none"},
     # the large tensors are compressed (unfused), the tiny ones fused at full precision
     {"compression": "2bit", "comm_threshold": 1024, "large": 2},
-])
+]
+STEPS, PARAMS = 6, 60
+#: Both jobs in one torchrun.
+SHARED = Batch(*(("tiny.py", "ddp,slimgc", json.dumps(
+    dict(options, backup=False, steps=STEPS, params=PARAMS))) for options in OPTIONS))
+
+
+@pytest.mark.parametrize("options", OPTIONS)
 def test_a_step_sends_each_bucket_once_not_each_key(tmp_path, options):
-    steps, params = 6, 60
-    code, text = torchrun("tiny.py", tmp_path, "ddp,slimgc", json.dumps(
+    steps, params = STEPS, PARAMS
+    code, text = SHARED.run("tiny.py", tmp_path, "ddp,slimgc", json.dumps(
         dict(options, backup=False, steps=steps, params=params)))
     assert code == 0, text[-4000:]
     mine = results(tmp_path, "slimgc")
