@@ -74,7 +74,7 @@ class Batch:
     not listed, or one that needs torchrun options, an environment or another rank count,
     runs in a torchrun of its own as before."""
 
-    def __init__(self, *jobs, timeout=1800):
+    def __init__(self, *jobs, timeout=600):
         self.jobs = [tuple(map(str, job)) for job in jobs]
         self.timeout = timeout
         self.root = None
@@ -112,12 +112,23 @@ class Batch:
     def _run_all(self):
         self.root = tempfile.mkdtemp(prefix="torch-batch-")
         atexit.register(shutil.rmtree, self.root, True)
-        specs = []
-        for number, (script, *args) in enumerate(self.jobs):
-            os.mkdir(self._folder(number))
-            specs.append([script, self._folder(number), *args])
-        try:
-            self.code, self.text = torchrun("batch.py", self.root, json.dumps(specs),
-                                            timeout=self.timeout)
-        except subprocess.TimeoutExpired as exc:
-            self.code, self.text = -signal.SIGKILL, "the batch ran past %d s" % exc.timeout
+        specs = [[script, self._folder(number), *args]
+                 for number, (script, *args) in enumerate(self.jobs)]
+        for attempt in range(2):
+            for number in range(len(self.jobs)):
+                shutil.rmtree(self._folder(number), True)
+                os.mkdir(self._folder(number))
+            try:
+                self.code, self.text = _torchrun("batch.py", self.root, json.dumps(specs),
+                                                 timeout=self.timeout)
+            except subprocess.TimeoutExpired as exc:
+                self.code, self.text = -signal.SIGKILL, "the batch ran past %d s" % exc.timeout
+            # the known abort at exit, after every job, changes nothing; before: once more
+            if self.code == 0 or EXIT_ABORT not in self.text or self._all_done() or attempt:
+                break
+            warnings.warn("a torch batch aborted (%r) before its last job; running it once "
+                          "more" % EXIT_ABORT)
+
+    def _all_done(self):
+        return all(os.path.exists(os.path.join(self._folder(number), ".done_%d" % rank))
+                   for number in range(len(self.jobs)) for rank in range(2))
