@@ -8,8 +8,9 @@
 # OUT gets tests.log, vgg16.md/.json, fig14.png, resnet50.md, p2.md and, when BASELINE (a
 # checkout of another commit) is given, baseline.md: its SlimGC rows on the same card in the
 # same run, for a before/after. Each part has its own time limit (SLIMGC_GPU_SCALE scales
-# them, default 1) and a part that fails leaves the rest to run. Exits non-zero only when
-# the build fails.
+# them, default 1) and a part that fails leaves the rest to run; SLIMGC_GPU_PARTS names the
+# parts to run (default: tests vgg16 baseline resnet50 p2), for a lease too short for all.
+# Exits non-zero only when the build fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/gpu_check.sh OUT [BASELINE]}
@@ -18,7 +19,9 @@ PY=${SLIMGC_PYTHON:-python3}
 SCALE=${SLIMGC_GPU_SCALE:-1}
 mkdir -p "$OUT"
 log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$OUT/all.log" >&2; }
+PARTS=" ${SLIMGC_GPU_PARTS:-tests vgg16 baseline resnet50 p2} "
 limit() { echo $(( $1 * SCALE )); }
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 
 log "building the kernels"
 bash scripts/device_setup.sh >>"$OUT/all.log" 2>&1 || { log "build failed"; exit 1; }
@@ -27,14 +30,17 @@ if [ -n "$BASE" ]; then
     base_build=$!
 fi
 
-log "CUDA tests"
-timeout "$(limit 90)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_torch_copies.py \
-    tests/test_torch_device_codec.py >"$OUT/tests.log" 2>&1
-log "tests: $(tail -n 1 "$OUT/tests.log")"
+if want tests; then
+    log "CUDA tests"
+    timeout "$(limit 90)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_torch_copies.py \
+        tests/test_torch_device_codec.py >"$OUT/tests.log" 2>&1
+    log "tests: $(tail -n 1 "$OUT/tests.log")"
+fi
 
 bench() {  # NAME SECONDS ARGS...: one bench gpu invocation, its table as OUT/NAME.md
     local name=$1 seconds=$2
     shift 2
+    want "$name" || return 0
     timeout "$(limit "$seconds")" "$PY" -m slimgc_mx.bench gpu --out "/tmp/gpu_$name" \
         --timeout 120 "$@" >>"$OUT/all.log" 2>&1
     log "$name: exit $?"
@@ -46,7 +52,7 @@ bench vgg16 150 --model vgg16 --procs 1 --steps 20 --warmup 8 \
 cp /tmp/gpu_vgg16/results.json "$OUT/vgg16.json" 2>/dev/null
 cp /tmp/gpu_vgg16/fig14.png "$OUT/fig14.png" 2>/dev/null
 
-if [ -n "$BASE" ]; then
+if [ -n "$BASE" ] && want baseline; then
     wait "$base_build"
     log "baseline"
     (cd "$BASE" && timeout "$(limit 60)" "$PY" -m slimgc_mx.bench gpu --out /tmp/gpu_base \
