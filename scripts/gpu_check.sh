@@ -7,8 +7,8 @@
 #
 # OUT gets tests.log, vgg16.md/.json, fig14.png, resnet50.md, p2.md and, when BASELINE (a
 # checkout of another commit) is given, baseline.md: its SlimGC rows on the same card in the
-# same run, for a before/after. Each part has its own time limit (SLIMGC_GPU_SCALE scales
-# them, default 1) and a part that fails leaves the rest to run; SLIMGC_GPU_PARTS names the
+# same run, for a before/after. Each part has its own time limit (GPU_CHECK_SCALE scales
+# them, default 1) and a part that fails leaves the rest to run; GPU_CHECK_PARTS names the
 # parts to run (default: tests vgg16 baseline resnet50 p2), for a lease too short for all.
 # Exits non-zero only when the build fails.
 set -uo pipefail
@@ -16,10 +16,10 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/gpu_check.sh OUT [BASELINE]}
 BASE=${2:-}
 PY=${SLIMGC_PYTHON:-python3}
-SCALE=${SLIMGC_GPU_SCALE:-1}
+SCALE=${GPU_CHECK_SCALE:-1}
 mkdir -p "$OUT"
 log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$OUT/all.log" >&2; }
-PARTS=" ${SLIMGC_GPU_PARTS:-tests vgg16 baseline resnet50 p2} "
+PARTS=" ${GPU_CHECK_PARTS:-tests vgg16 baseline resnet50 p2} "
 limit() { echo $(( $1 * SCALE )); }
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 

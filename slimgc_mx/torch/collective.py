@@ -262,9 +262,9 @@ class TorchTransport(Transport):
             def after():
                 slots.view(n, m).copy_(rows[:, :m])
                 rider.sums = rows[:, m:].numpy().sum(0, dtype=np.float64)
-            return dist.all_gather_single(rows.view(-1), torch.from_numpy(np.concatenate(
+            return dist.all_gather_into_tensor(rows.view(-1), torch.from_numpy(np.concatenate(
                 [mine_np, extra])), group=group, async_op=True), after
-        return self._hand(wire_key, TorchWork(recv, lambda group: dist.all_gather_single(
+        return self._hand(wire_key, TorchWork(recv, lambda group: dist.all_gather_into_tensor(
             slots, mine, group=group, async_op=True), carry))
 
     def ride(self, values):
@@ -309,7 +309,7 @@ class TorchTransport(Transport):
     def allgather(self, values):
         mine = torch.from_numpy(np.asarray(values, dtype=np.float64).ravel().copy())
         out = torch.zeros(self.num_workers * mine.numel(), dtype=torch.float64)
-        self.run(lambda group: dist.all_gather_single(out, mine, group=group,
+        self.run(lambda group: dist.all_gather_into_tensor(out, mine, group=group,
                                                            async_op=True))
         return out.numpy().reshape(self.num_workers, -1)
 

@@ -115,6 +115,15 @@ class Copies:
     def is_pinned(self, tensor):
         raise NotImplementedError
 
+    def on_device(self, tensor):
+        """True for the model's memory (the device's), False for host memory."""
+        raise NotImplementedError
+
+    def crosses_to_device(self, src, dst):
+        """True when dst <- src is a host-to-device copy (to_device's); host-to-host and
+        device-to-device copies are plain ones."""
+        return self.on_device(dst) and not self.on_device(src)
+
     def to_host(self, src, dst):
         """Queue dst (flat host tensor) <- src (device tensor); the event after the copy."""
         self._count(dst, src, "d2h_bytes")
@@ -162,6 +171,10 @@ class CudaCopies(Copies):
 
     def is_pinned(self, tensor):
         return tensor.is_pinned()
+
+    @staticmethod
+    def on_device(tensor):
+        return tensor.is_cuda
 
     def _to_host(self, src, dst):
         stream = self._stream
@@ -239,6 +252,10 @@ class DeferredCopies(Copies):
         ptr = tensor.data_ptr()
         return any(t.data_ptr() <= ptr < t.data_ptr() + t.numel() * t.element_size()
                    for t in self._pinned)
+
+    def on_device(self, tensor):
+        """The stand-in's device memory: any tensor not in its 'pinned' host memory."""
+        return not self.is_pinned(tensor)
 
     def _to_host(self, src, dst):
         copy = DeferredCopy(src.detach().reshape(-1).clone(), dst)

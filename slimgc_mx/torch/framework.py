@@ -59,7 +59,7 @@ class TorchArrays:
             return
         src = torch.as_tensor(src)
         with torch.no_grad():
-            if self.copies is not None and not src.is_cuda:
+            if self.copies is not None and self.copies.crosses_to_device(src, dst):
                 self.copies.to_device(src, dst)
             else:
                 dst.copy_(src.view(dst.shape))
@@ -261,7 +261,7 @@ class TorchUpdate:
         """dst (on the parameter's device) <- src (host): a device model's copy does not
         block, and the global update waits for it before writing src again; otherwise a
         plain copy, which returns once done."""
-        if self.copies is not None and not src.is_cuda:
+        if self.copies is not None and self.copies.crosses_to_device(src, dst):
             self.copies.to_device(src, dst)
         else:
             dst.copy_(src)
