@@ -30,6 +30,11 @@ _RIDE = ("rider",)
 RIDE_BYTES = 1 << 18
 
 
+#: Gather equal tensors into one: torch 2.13's name where it has it (it deprecates the
+#: older one), else all_gather_into_tensor, which torch 2.11 (the floor) has.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class TorchWork(TransferHandle):
     """An exchange handed to the issuing thread; wait() returns once its result is in recv.
 
@@ -175,6 +180,11 @@ class TorchTransport(Transport):
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def group(self):
+        """The Gloo group of all ranks that this transport's collectives run on."""
+        return self._group
+
     # -- the pipeline's exchanges, in the announced order ---------------------------------
     def announce(self, wire_keys):
         with self._cond:
@@ -262,9 +272,9 @@ class TorchTransport(Transport):
             def after():
                 slots.view(n, m).copy_(rows[:, :m])
                 rider.sums = rows[:, m:].numpy().sum(0, dtype=np.float64)
-            return dist.all_gather_into_tensor(rows.view(-1), torch.from_numpy(np.concatenate(
+            return _all_gather(rows.view(-1), torch.from_numpy(np.concatenate(
                 [mine_np, extra])), group=group, async_op=True), after
-        return self._hand(wire_key, TorchWork(recv, lambda group: dist.all_gather_into_tensor(
+        return self._hand(wire_key, TorchWork(recv, lambda group: _all_gather(
             slots, mine, group=group, async_op=True), carry))
 
     def ride(self, values):
@@ -309,7 +319,7 @@ class TorchTransport(Transport):
     def allgather(self, values):
         mine = torch.from_numpy(np.asarray(values, dtype=np.float64).ravel().copy())
         out = torch.zeros(self.num_workers * mine.numel(), dtype=torch.float64)
-        self.run(lambda group: dist.all_gather_into_tensor(out, mine, group=group,
+        self.run(lambda group: _all_gather(out, mine, group=group,
                                                            async_op=True))
         return out.numpy().reshape(self.num_workers, -1)
 

@@ -183,13 +183,15 @@ class TorchDeviceCodec:
 
     # ------------------------------------------------------------ encode
     @torch.no_grad()
-    def encode(self, grad, residual, num_workers, out):
+    def encode(self, grad, residual, num_workers, out, flag=None):
         """Compensate, quantize, pack into `out` (float64 lanes); residual updated in place.
 
         grad: float32 tensor of any shape; residual: float32 tensor with as many elements on
         grad's device; out: a float64 tensor (any device) or NumPy array (host) of
         codec.lane_count() elements, filled by one copy. Raises NonFiniteGradientError
-        before touching residual or out.
+        before touching residual or out; with `flag` (a 0-dim tensor on grad's device) it
+        writes there whether grad + residual holds NaN/Inf instead, without a host
+        synchronisation, and encodes anyway (the device path reads the flag later).
         """
         codec = self.codec
         n_workers = check_num_workers(num_workers)
@@ -214,7 +216,9 @@ class TorchDeviceCodec:
                 dst.fill_(0.0)
             return out
         c = g + r
-        if not bool(torch.isfinite(c).all()):  # the one host synchronisation
+        if flag is not None:
+            flag.copy_(~torch.isfinite(c).all())
+        elif not bool(torch.isfinite(c).all()):  # the one host synchronisation
             raise_nonfinite(g.detach().cpu().numpy(), r.detach().cpu().numpy())
         q = codec.device_levels(c, TorchOps(self._consts, device))
         parts = []
@@ -233,13 +237,15 @@ class TorchDeviceCodec:
 
     # ------------------------------------------------------------ decode
     @torch.no_grad()
-    def decode(self, lanes_sum, size, num_workers, out, device=None):
+    def decode(self, lanes_sum, size, num_workers, out, device=None, checked=True):
         """Sum over workers of the decoded values into `out` (float32, `size` elements).
 
         lanes_sum: float64 tensor or NumPy array of codec.lane_count() elements; out: a
         float32 tensor or NumPy array; the work runs on `device` (default: lanes_sum's,
         the CPU for NumPy). Updates the codec's shared state from the trailer lane like
-        Codec.decode(); raises ValueError, writing nothing, for lanes no sum could give.
+        Codec.decode(); raises ValueError, writing nothing, for lanes no sum could give,
+        unless checked=False (no host synchronisation: the device path's lanes are this
+        codec's own, summed by the job's group).
         """
         codec = self.codec
         n_workers = check_num_workers(num_workers)
@@ -259,8 +265,8 @@ class TorchDeviceCodec:
                                  % (codec.name, last))
         if size:
             x = x_all[:n_lanes].to(device)
-            bad = ~((x >= 0) & (x < float(EXACT_LIMIT)))  # NaN included
-            if bool(bad.any()):
+            bad = ~((x >= 0) & (x < float(EXACT_LIMIT))) if checked else None  # NaN too
+            if bad is not None and bool(bad.any()):
                 raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's "
                                  "lanes (wrong codec, worker count or corrupted data)"
                                  % int(bad.sum()))

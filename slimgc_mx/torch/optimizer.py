@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..engine import checkpoint
+from .. import codecs
+from ..engine import agreement, checkpoint
 from ..engine.aggregator import Aggregator
 from ..engine.planner import check_momentum
 from ..engine.config import SlimGCConfig
 from ..transport.local import LocalTransport
+from . import device_path
 from .collective import TorchTransport
 from .framework import StepSettings, TorchFramework
 from .state import from_tensors, to_tensors
@@ -119,10 +121,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     keywords are SlimGC's settings (backup, comm_threshold, offload, warmup_steps, ...)
     or the codec's own options (threshold, levels, ratio, ...), as on the MXNet side.
     broadcast_buffers: rank 0's buffers (BatchNorm statistics) before each forward, as DDP.
+    data_path: where the step runs: 'device' (every stage in torch ops on the parameters'
+    device, device_path.py), 'host' (the engine's pipeline over host memory), or 'auto'
+    (the device path for a CUDA model whose settings it serves, else the host path).
+    bucket_cap_mb: the device path's bucket size (DDP's meaning).
     """
 
     def __init__(self, optimizer, model, compression="2bit", broadcast_buffers=True,
-                 **options):
+                 data_path="auto", bucket_cap_mb=device_path.BUCKET_CAP_MB, **options):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got %s"
                             % type(optimizer).__name__)
@@ -143,6 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         distributed = _init_process_group(config.timeout)
         transport = TorchTransport(config.timeout) if distributed else LocalTransport()
         cuda = any(p.is_cuda for _, p in named)
+        self.data_path = device_path.choose(data_path, config, optimizer, cuda)
         # torch.optim.Optimizer's own attributes (hooks), then the wrapped one's groups/state
         super().__init__([torch.zeros(1, requires_grad=True)], {})
         self.defaults = optimizer.defaults
@@ -156,12 +163,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._last_step = (None, None)  # step()'s seconds and copy counts, for stats()
         self._model = model
         self._transport = transport
+        self._config = config
+        self._check = None  # every step's hyperparameters compared across ranks
+        self._agg = self._device = None
+        if self.data_path == "device":
+            self._device_path(optimizer, named, group_of, config, transport, distributed, cuda,
+                              bucket_cap_mb)
+        else:
+            self._host_path(optimizer, named, group_of, config, transport, cuda)
+        self._buffers = [b for b in model.buffers()] if broadcast_buffers else []
+        if self._buffers and transport.num_workers > 1:
+            transport.broadcast_tensors([b.data for b in self._buffers])
+        self._hook = model.register_forward_pre_hook(lambda module, args: (
+            self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
+        self._groups = _group_sizes(optimizer)  # the keys are fixed from here on
+
+    def _host_path(self, optimizer, named, group_of, config, transport, cuda):
+        """The engine's aggregator over these parameters, with rank 0's weights."""
         framework = self._framework([p for _, p in named], group_of, transport.num_workers, cuda)
         self._agg = Aggregator(config, transport, framework=framework)
         momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
         check_momentum(self._agg.codec, momentum, "compression=%r, momentum=%r")
         self._agg.set_optimizer(optimizer)
-        self._check = None  # every step's hyperparameters compared across ranks
         if transport.num_workers > 1:
             self._check = self._agg.update.check = StepSettingsCheck(
                 transport, StepSettings.of(optimizer))
@@ -169,12 +192,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._agg.add_key(name, p.detach().cpu().numpy())
             with torch.no_grad():
                 p.copy_(self._agg.backup.glo_buf(name).view(p.shape))  # rank 0's weights
-        self._buffers = [b for b in model.buffers()] if broadcast_buffers else []
-        if self._buffers and transport.num_workers > 1:
-            transport.broadcast_tensors([b.data for b in self._buffers])
-        self._hook = model.register_forward_pre_hook(lambda module, args: (
-            self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
-        self._groups = _group_sizes(optimizer)  # the keys are fixed from here on
+
+    def _device_path(self, optimizer, named, group_of, config, transport, distributed, cuda,
+                     cap_mb):
+        """device_path.DevicePath over these parameters, once the ranks agree on it."""
+        if config.compressor != "none":
+            momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
+            check_momentum(codecs.create(config.compressor, **config.codec_options), momentum,
+                           "compression=%r, momentum=%r")
+        if transport.num_workers > 1:
+            agreement.check(transport, dict(
+                config.agreement_fields(), num_workers=transport.num_workers,
+                data_path="device", bucket_cap_mb=float(cap_mb),
+                keys=[(n, tuple(p.shape)) for n, p in named],
+                optimizer=(type(optimizer).__name__, repr(StepSettings.of(optimizer)))))
+        group = device_path.lane_group(transport.group, cuda) if distributed else None
+        self._device = device_path.DevicePath(optimizer, named, group_of, config, transport,
+                                              group, cap_mb)
+        if transport.num_workers > 1:
+            self._check = self._device.check = StepSettingsCheck(
+                device_path.TailRides(transport, self._device), StepSettings.of(optimizer))
 
     def add_param_group(self, param_group):
         """Refused once built: the engine's keys are declared on every rank at construction,
@@ -239,13 +276,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         global weights. Under a GradScaler a step whose gradients hold inf/NaN on any rank
         is skipped on every rank."""
         start = time.perf_counter()
-        copies = self._agg.framework.copies
-        before = dataclasses.replace(copies.counts) if copies is not None else None
+        counts = self._counts()
+        before = dataclasses.replace(counts) if counts is not None else None
         try:
             return self._step(closure)
         finally:
             self._last_step = (time.perf_counter() - start,
-                               copies.counts.since(before) if copies is not None else None)
+                               counts.since(before) if counts is not None else None)
+
+    def _counts(self):
+        """The copy accounting of a device model (copies.CopyCounts), else None."""
+        if self._device is not None:
+            return self._device.counts
+        copies = self._agg.framework.copies
+        return copies.counts if copies is not None else None
 
     def _step(self, closure):
         loss = None
@@ -258,9 +302,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "DistributedOptimizer is built, so added ones would never be "
                              "trained. %s" % (_group_sizes(self._inner) + self._groups
                                               + (_GROUPS_FIX,)))
-        step = self._agg.planner.steps[self._named[0][0]]
+        device = self._device
+        step = device.step_count if device else self._agg.planner.steps[self._named[0][0]]
         self._raise_mismatch(step)
         clip, self._clip = self._clip, None
+        if clip is not None and device is not None:
+            raise ValueError("slimgc.clip_grad_norm_ runs on the host path only so far: build "
+                             "the DistributedOptimizer with data_path='host' to clip the mean "
+                             "gradient as DDP does")
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         grads = []
@@ -281,14 +330,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for g in grads:
                     torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv)
             mine = bool(found_inf.detach().cpu().item() > 0)
-            if found_inf.is_cuda and self._agg.framework.copies is not None:
-                self._agg.framework.copies.sync()
+            if found_inf.is_cuda and self._counts() is not None:
+                self._counts().host_syncs += 1
             if self._transport.any(mine) if self._transport.num_workers > 1 else mine:
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
         if self._check is not None:
             self._check.start(step, StepSettings.of(self._inner))
         try:
-            if clip is not None:
+            if device is not None:
+                device.step(grads, self._config.backup)
+            elif clip is not None:
                 self._clipped_pushes(grads, *clip)
             else:  # every key pushed before any waits: fused buckets travel whole
                 self._agg.start_step()
@@ -331,6 +382,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def global_grad_norm(self):
         """The mean gradient's norm that slimgc.clip_grad_norm_ clipped at the latest step
         applied to the global weights (after flush(), the last step), else None."""
+        if self._agg is None:
+            return None
         last = self._agg.clip.last
         return None if last is None else last.total_norm
 
@@ -341,14 +394,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def flush(self):
         """Wait for the aggregations in flight and write the global weights into the model."""
         self._raise_mismatch()
-        self._agg.flush()
+        if self._device is not None:
+            self._device.flush()
+        else:
+            self._agg.flush()
 
     def stats(self):
         """Bytes, times and the CTTab's decision, as the MXNet kvstore's stats(); and the last
         step()'s own seconds (step_s) and, for a device model, what its copies moved
         (step_copies: h2d_bytes, d2h_bytes, pageable_bytes, host_syncs; None otherwise)."""
         from ..engine.aggregator import report
-        out = report(self._agg, self._agg.config.compressor, 0)
+        out = (report(self._agg, self._agg.config.compressor, 0) if self._agg is not None
+               else self._device.stats())
+        out["data_path"] = self.data_path
         seconds, counts = self._last_step
         out["step_s"] = seconds
         out["step_copies"] = dataclasses.asdict(counts) if counts is not None else None
@@ -356,8 +414,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def cttab(self):
-        """The CTTab (cttab.CTTab): its rows, BestCT and save(prefix) for the table files."""
-        return self._agg.cttab
+        """The CTTab (cttab.CTTab): its rows, BestCT and save(prefix) for the table files;
+        None on the device path (no warm-up there yet)."""
+        return self._agg.cttab if self._agg is not None else None
 
     @property
     def rank(self):
@@ -375,12 +434,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         code. It waits for the aggregations in flight and writes nothing into the model, so
         taking it changes no step that follows."""
         self._raise_mismatch()
-        self._agg.send_pending()
-        self._agg.pipeline.wait_idle(self._agg.config.timeout)
-        state = to_tensors(checkpoint.state(self._agg))
+        if self._device is not None:
+            state = {"device_path": self._device.state_dict()}
+        else:
+            self._agg.send_pending()
+            self._agg.pipeline.wait_idle(self._agg.config.timeout)
+            state = to_tensors(checkpoint.state(self._agg))
         state["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.param_groups]  # lr as a scheduler left it
-        if self._agg.params_local:  # the next forward reads loc_buf, not glo_buf
+        if self._device is not None and self._config.backup or \
+                self._agg is not None and self._agg.params_local:  # the forward reads loc_buf
             state["parameters"] = {name: p.detach().cpu().clone() for name, p in self._named}
         return state
 
@@ -394,6 +457,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("state_dict holds %s param groups; this optimizer has %d: a state "
                              "of another optimizer" % (None if groups is None else len(groups),
                                                        len(self.param_groups)))
+        if ("device_path" in state) != (self._device is not None):
+            raise ValueError("state_dict was taken on the %s path and this optimizer runs on "
+                             "the %s path: give it data_path=%r" % (
+                                 "device" if "device_path" in state else "host",
+                                 self.data_path, "device" if "device_path" in state else "host"))
+        if self._device is not None:
+            self._device.wait()
+            self._device.load_state_dict(state["device_path"])
+            for group, saved in zip(self.param_groups, groups):
+                group.update(saved)
+            for b in self._device.buckets:
+                if params is None:
+                    b.write_back()
+                else:
+                    with torch.no_grad():
+                        for name, p in zip(b.names, b.params):
+                            p.copy_(params[name].view(p.shape))
+            return
         state = from_tensors(state)
         self._agg.send_pending()
         self._agg.pipeline.wait_idle(self._agg.config.timeout)
@@ -410,6 +491,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- lifecycle -------------------------------------------------------------------------
     def close(self):
         """Finish the aggregations in flight and stop the engine's threads."""
+        if self._device is not None:
+            try:
+                self._device.flush()
+            finally:
+                self._device.close()
+                self._device = None
+                if self._hook is not None:
+                    self._hook.remove()
+                self._transport.close(timeout=5)
+            return
         if self._agg is None:
             return
         try:

@@ -1,0 +1,511 @@
+"""The device path: a model's whole step in torch ops on its parameters' device.
+
+The host path (the engine's pipeline) copies each gradient to the host and the global
+weights and optimizer state back; here nothing leaves the device. Parameters are fused into
+buckets (DDP's bucket_cap_mb, in reverse order, the order backward produces them), each
+keeping on the device its glo_buf, the global optimizer's state (an instance of the user's
+optimizer over glo_buf's views), its error-feedback residual and its lanes. In step(), one
+pass per bucket:
+  1. backup on: the previous step's global update, deferred until now: the sum waited for
+     on the device (no host wait where the group is NCCL), decoded, the optimizer's rule
+     into glo_buf;
+  2. backup on: the local update into the parameter (loc_buf): glo_buf, then one step of
+     the same rule with this rank's gradient on a copy of the global state;
+  3. error feedback and the encode into lanes (torch/device.py: bitwise the Cython lanes);
+  4. the lanes' sum started on the process group (async).
+Without backup, 1 runs after every bucket's 4 and the parameters get glo_buf.
+
+Every bucket's NaN/Inf flag (2**rank) and the step's settings hash (step_check.py) travel
+in one small tail summed after the buckets; it is read before the global update that it
+guards, the step's one host synchronisation, so a poisoned sum writes nothing.
+"""
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import codecs, notice
+from ..engine.offload import NonFiniteAggregateError
+from .collective import Rider
+from .copies import CopyCounts
+from .device import TorchDeviceCodec
+from .framework import _constructor_args
+
+#: DDP's default bucket size.
+BUCKET_CAP_MB = 25.0
+
+
+#: What data_path takes.
+CHOICES = ("auto", "device", "host")
+
+
+def lacks(config, optimizer):
+    """Why the device path cannot run `config` (a SlimGCConfig) for `optimizer`, or None."""
+    if config.compressor != "none":
+        codec = codecs.create(config.compressor, threshold=config.threshold,
+                              **config.codec_options)
+        if not TorchDeviceCodec.supports(codec):
+            return ("compression=%r has no torch-ops version yet (the device path serves "
+                    "none, 1bit, 2bit and 4bit)" % config.compressor)
+    for name in ("loc_lr", "loc_optimizer", "trace"):
+        if getattr(config, name) is not None:
+            return "%s is the host path's option" % name
+    if config.audit_every:
+        return "audit_every is the host path's option"
+    if not isinstance(config.comm_threshold, (int, float)) and \
+            config.comm_threshold not in ("auto", "off"):
+        return "a saved CTTab decision (comm_threshold=%r) is the host path's" % (
+            config.comm_threshold,)
+    if type(optimizer).__init__ is torch.optim.Optimizer.__init__:
+        return "the optimizer class cannot be rebuilt from its settings"
+    return None
+
+
+def choose(data_path, config, optimizer, cuda):
+    """Where the step runs: 'device' or 'host' (the one place this is decided).
+
+    'auto': the device path for a CUDA model whose settings it serves, else the host path;
+    'device' is refused, naming why, where the device path lacks a setting."""
+    if data_path not in CHOICES:
+        raise ValueError("data_path must be one of %s, got %r" % (", ".join(CHOICES),
+                                                                 data_path))
+    if data_path == "host":
+        return "host"
+    why = lacks(config, optimizer)
+    if data_path == "device":
+        if why is not None:
+            raise ValueError("data_path='device': %s; use data_path='host'" % why)
+        return "device"
+    return "device" if cuda and why is None else "host"
+
+
+def lane_group(transport_group, cuda):
+    """The group that sums the lanes: the job's default group where it is NCCL and the model
+    is on a GPU (the sum stays on the device), else the transport's Gloo group."""
+    if cuda and dist.is_initialized() and dist.get_backend() == "nccl":
+        return dist.group.WORLD
+    return transport_group
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """Which parameters one bucket fuses (indices into the model's trainable parameters, in
+    backward order), their param group, and whether the bucket is compressed."""
+
+    indices: tuple
+    group: int
+    compressed: bool
+
+
+def plan_buckets(named, group_of, codec, comm_threshold, cap_bytes):
+    """The buckets of `named` ((name, parameter) pairs): reverse order; one param group and
+    one kind (compressed or full precision) per bucket; a bucket closes before it would pass
+    `cap_bytes`; a codec with a per-tensor statistic (1bit's scale, 4bit's group) gets one
+    bucket per compressed tensor, so its statistic stays the tensor's own."""
+    per_tensor = codec is not None and codec.trailer_lanes > 0
+    specs, run, run_key, run_bytes = [], [], None, 0
+    for i in reversed(range(len(named))):
+        p = named[i][1]
+        nbytes = p.numel() * p.element_size()
+        compressed = codec is not None and nbytes >= comm_threshold
+        key = (group_of[i], compressed)
+        if run and (key != run_key or run_bytes + nbytes > cap_bytes
+                    or (compressed and per_tensor)):
+            specs.append(BucketSpec(tuple(run), run_key[0], run_key[1]))
+            run, run_bytes = [], 0
+        run.append(i)
+        run_key, run_bytes = key, run_bytes + nbytes
+    if run:
+        specs.append(BucketSpec(tuple(run), run_key[0], run_key[1]))
+    return specs
+
+
+class _Bucket:
+    """One bucket's device state: glo_buf (flat) and its views, the global optimizer over
+    them, the local optimizer over the parameters, the residual, the lanes."""
+
+    def __init__(self, spec, named, optimizer, codec, num_workers):
+        self.spec = spec
+        self.names = [named[i][0] for i in spec.indices]
+        self.params = [named[i][1] for i in spec.indices]
+        self.sizes = [p.numel() for p in self.params]
+        self.numel = sum(self.sizes)
+        device = self.params[0].device
+        with torch.no_grad():
+            self.glo = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.glo_views = self._views(self.glo)
+        group = {k: v for k, v in optimizer.param_groups[spec.group].items() if k != "params"}
+        args = _constructor_args(optimizer, group)
+        self.shadow = type(optimizer)(self.glo_views, **args)  # glo_buf's optimizer: the state
+        self.local = type(optimizer)(self.params, **args)  # loc_buf's: the state copied in
+        self._scratch = {}  # local step's copies of the global state, kept per tensor
+        self.codec = TorchDeviceCodec(codec) if spec.compressed else None
+        if self.codec is not None:
+            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
+            n = codec.lane_count(self.numel, num_workers)
+            self.lanes = torch.zeros(n, dtype=torch.float64, device=device)
+        else:
+            self.residual = None
+            self.lanes = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.mean = torch.empty(self.numel, dtype=torch.float32, device=device)
+        self.mean_views = self._views(self.mean)
+        self.work = None  # the lanes' sum in flight
+        self.step = None  # the step whose sum the lanes hold (None: nothing pending)
+
+    def _views(self, flat):
+        out, offset = [], 0
+        for p, n in zip(self.params, self.sizes):
+            out.append(flat[offset:offset + n].view(p.shape))
+            offset += n
+        return out
+
+    def settings(self, group):
+        """The user's current settings of this bucket's param group into both optimizers."""
+        values = {k: v for k, v in group.items() if k != "params"}
+        self.shadow.param_groups[0].update(values)
+        self.local.param_groups[0].update(values)
+
+    def local_step(self, grads):
+        """loc_buf <- one step of the rule from glo_buf with this rank's `grads`, reading the
+        global state and writing none of it (the host path's local update, in torch ops)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.glo_views)
+            for p, w, g in zip(self.params, self.glo_views, grads):
+                self.local.state[p] = self._state_copy(p, self.shadow.state.get(w, {}))
+                p.grad = g
+            self.local.step()
+            for p in self.params:
+                self.local.state.pop(p, None)
+
+    def _state_copy(self, p, state):
+        """A copy of the global state of `p`'s tensor in buffers kept for it (allocating them
+        each step costs more than the copy)."""
+        scratch = self._scratch.setdefault(p, {})
+        out = {}
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.numel() > 1:
+                buf = scratch.get(k)
+                if buf is None or buf.shape != v.shape:
+                    buf = scratch[k] = torch.empty_like(v)
+                out[k] = buf.copy_(v)
+            else:
+                out[k] = v.clone() if torch.is_tensor(v) else v
+        return out
+
+    def encode(self, grads, num_workers, flag):
+        """This rank's gradient, with error feedback, into the lanes (full precision: copied
+        in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual) is not finite."""
+        with torch.no_grad():
+            if self.codec is None:
+                torch.cat([g.reshape(-1) for g in grads], out=self.lanes)
+                flag.copy_(~torch.isfinite(self.lanes).all())
+                return
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            n = self.codec.codec.lane_count(self.numel, num_workers)  # 4bit's moves
+            if self.lanes.numel() != n:
+                self.lanes = torch.zeros(n, dtype=torch.float64, device=flat.device)
+            self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag)
+
+    def decode(self, num_workers, counts):
+        """The summed lanes -> the mean gradient (mean, mean_views)."""
+        with torch.no_grad():
+            if self.codec is None:
+                torch.div(self.lanes, num_workers, out=self.mean)
+                return
+            self.codec.decode(self.lanes, self.numel, num_workers, out=self.mean,
+                              checked=False)
+            if self.codec.codec.trailer_lanes and self.lanes.is_cuda:
+                counts.host_syncs += 1  # the statistic read back (1bit's scale, 4bit's group)
+            self.mean.div_(num_workers)
+
+    def global_step(self):
+        """glo_buf <- one step of the user's optimizer with the mean gradient."""
+        for w, m in zip(self.glo_views, self.mean_views):
+            w.grad = m
+        with torch.no_grad():
+            self.shadow.step()
+        for w in self.glo_views:
+            w.grad = None
+
+    def write_back(self):
+        """The parameters get glo_buf (backup off, a flush)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.glo_views)
+
+
+class DevicePath:
+    """A DistributedOptimizer's step on the device: buckets, their passes, the tail."""
+
+    def __init__(self, optimizer, named, group_of, config, transport, group, cap_mb=None):
+        self.optimizer = optimizer
+        self.config = config
+        self.num_workers, self.rank = transport.num_workers, transport.rank
+        self.group = group
+        self.counts = CopyCounts()
+        codec = None
+        if config.compressor != "none":
+            codec = codecs.create(config.compressor, threshold=config.threshold,
+                                  **config.codec_options)
+        threshold = config.comm_threshold
+        if threshold == "auto":
+            notice.tell("slimgc: the device path has no CTTab warm-up yet: every tensor is "
+                        "compressed (comm_threshold=BYTES sends smaller tensors in full "
+                        "precision)", once=True)
+            threshold = 0
+        elif threshold == "off":
+            threshold = 0
+        elif not isinstance(threshold, (int, float)):
+            raise ValueError("comm_threshold=%r: the device path takes a size in bytes or "
+                             "'off' (a saved CTTab decision is the host path's)" % (threshold,))
+        cap = float(BUCKET_CAP_MB if cap_mb is None else cap_mb) * 2 ** 20
+        self.specs = plan_buckets(named, group_of, codec, threshold, cap)
+        self.buckets = [_Bucket(s, named, optimizer,
+                                codec.clone() if (codec is not None and s.compressed) else None,
+                                self.num_workers) for s in self.specs]
+        device = named[0][1].device
+        self._rider_slots = Rider([0], self.num_workers).slots(np.float64).size
+        n_tail = len(self.buckets) + self._rider_slots
+        self.tail = torch.zeros(n_tail, dtype=torch.float64, device=device)
+        self.tail_host = torch.zeros(n_tail, dtype=torch.float64,
+                                     pin_memory=device.type == "cuda")
+        self._tail_work = None  # the tail's sum in flight
+        self._tail_rider = None  # the rider it carries
+        self._flags = None  # the summed flags, once read
+        self._pending = None  # the step whose global updates are still to run
+        self._rider = None
+        self.step_count = 0
+        self.error = None  # a NaN/Inf sum found: raised by every later call
+        self.blocked_s = 0.0  # waiting for sums on the host
+        self.bytes_pushed = 0
+        self.bytes_fp32 = 0
+        self._lanes_bytes = sum(b.lanes.numel() * b.lanes.element_size() for b in self.buckets)
+        self._fp32_bytes = 4 * sum(b.numel for b in self.buckets)
+        with torch.no_grad():  # rank 0's weights everywhere, as the host path's
+            for b in self.buckets:
+                self._sum(b.glo, broadcast=True)
+                b.write_back()
+
+    def _sum(self, tensor, broadcast=False):
+        """Start the sum of `tensor` over the ranks (rank 0's value: `broadcast`); its Work,
+        or None in a job of one process without torch.distributed."""
+        if self.group is None:
+            return None
+        if broadcast:
+            dist.broadcast(tensor, src=0, group=self.group)
+            return None
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    # -- the step ----------------------------------------------------------------------------
+    def ride(self, values):
+        """A Rider of `values` sent with this step's tail (StepSettingsCheck's transport)."""
+        self._rider = Rider(values, self.num_workers)
+        return self._rider
+
+    def step(self, grads_of, backup):
+        """One step: grads_of[i] is parameter i's gradient (model order)."""
+        self.raise_error()
+        if backup:
+            self.finish_pending()
+        rank_bit = float(2 ** self.rank) if self.num_workers <= 52 else 1.0
+        for j, b in enumerate(self.buckets):
+            grads = [grads_of[i] for i in b.spec.indices]
+            b.settings(self.optimizer.param_groups[b.spec.group])
+            if backup:
+                b.local_step(grads)
+            b.encode(grads, self.num_workers, self.tail[j])
+            b.work = self._sum(b.lanes)
+            b.step = self.step_count
+        with torch.no_grad():
+            self.tail[:len(self.buckets)].mul_(rank_bit)
+            rider, self._rider = self._rider, None
+            if rider is not None:  # through pinned memory: no pageable copy
+                staged = self.tail_host[len(self.buckets):]
+                staged.copy_(torch.from_numpy(rider.slots(np.float64)))
+                self.tail[len(self.buckets):].copy_(staged, non_blocking=True)
+                if self.tail.is_cuda:
+                    self.counts.h2d_bytes += staged.numel() * staged.element_size()
+        self._tail_work = self._sum(self.tail)
+        self._tail_rider = rider
+        self._flags = None
+        if rider is not None:
+            rider.carried_by(_TailWork(self))
+        self._pending = self.step_count
+        self.step_count += 1
+        self.bytes_pushed += self._lanes_bytes
+        self.bytes_fp32 += self._fp32_bytes
+        if not backup:
+            self.finish_pending(write_back=True)
+
+    def read_tail(self):
+        """The pending step's summed tail onto the host, once: the step's one host
+        synchronisation (with backup on, of a sum long done)."""
+        if self._pending is None or self._flags is not None:
+            return
+        start = time.perf_counter()
+        if self._tail_work is not None:
+            self._tail_work.wait()
+            self._tail_work = None
+        with torch.no_grad():
+            self.tail_host.copy_(self.tail, non_blocking=self.tail.is_cuda)
+        if self.tail.is_cuda:
+            torch.cuda.current_stream(self.tail.device).synchronize()
+            self.counts.host_syncs += 1
+            self.counts.d2h_bytes += self.tail.numel() * self.tail.element_size()
+        self.blocked_s += time.perf_counter() - start
+        tail = self.tail_host.numpy()
+        n = len(self.buckets)
+        if self._tail_rider is not None:
+            self._tail_rider.sums = tail[n:].copy()
+            self._tail_rider = None
+        self._flags = tail[:n].copy()
+
+    def finish_pending(self, write_back=False):
+        """The pending step's global updates: its tail read (NaN/Inf flags, settings), each
+        bucket's sum decoded into glo_buf; with `write_back`, the parameters get glo_buf."""
+        if self._pending is None:
+            return
+        step = self._pending
+        self.read_tail()
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()  # on NCCL: the stream waits, not the host
+                b.work = None
+        bad = [j for j, f in enumerate(self._flags) if f != 0]
+        self._pending = None
+        if bad:
+            self.error = self._nonfinite_message(step, self._flags, bad)
+            self.raise_error()
+        if self.check is not None and self.check.differs(step):
+            for b in self.buckets:
+                b.step = None
+            self.check.raise_found()
+        for b in self.buckets:
+            if b.step is None:
+                continue
+            b.decode(self.num_workers, self.counts)
+            b.global_step()
+            b.step = None
+            if write_back:
+                b.write_back()
+
+    check = None  # a step_check.StepSettingsCheck (set by the optimizer for several ranks)
+
+    def _nonfinite_message(self, step, flags, bad):
+        value = int(flags[bad[0]])
+        ranks = (", ".join(str(r) for r in range(self.num_workers) if value >> r & 1)
+                 if self.num_workers <= 52 else "%d of them" % value)
+        names = [n for j in bad for n in self.buckets[j].names]
+        return ("step %d: the gradient of %s held NaN/Inf on rank %s (with its error-feedback "
+                "residual, where compressed); no global weight was written from this step's "
+                "sum and training cannot go on from it: lower the learning rate, or use a "
+                "GradScaler, and restart from a checkpoint"
+                % (step, ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""), ranks))
+
+    def raise_error(self):
+        if self.error is not None:
+            raise NonFiniteAggregateError(self.error)
+
+    def flush(self):
+        """Every pending global update done and the parameters given glo_buf."""
+        self.finish_pending()
+        for b in self.buckets:
+            b.write_back()
+
+    def wait(self):
+        """The pending global updates done, the parameters left as they are (state_dict)."""
+        self.finish_pending()
+
+    def stats(self):
+        """What stats() reports of the device path (the codec's work is queued on the
+        device, so it has no host-side encode or transfer times)."""
+        return {"compressor": self.config.compressor, "backup": self.config.backup,
+                "buckets": len(self.buckets),
+                "compressed_buckets": sum(b.codec is not None for b in self.buckets),
+                "compressed_keys": sum(len(b.params) for b in self.buckets if b.codec),
+                "keys": sum(len(b.params) for b in self.buckets),
+                "steps": self.step_count, "bytes_pushed": self.bytes_pushed,
+                "bytes_pulled": self.bytes_pushed, "bytes_fp32": self.bytes_fp32,
+                "compress_s": 0.0, "comm_s": 0.0, "blocked_s": self.blocked_s,
+                "transfers": self.step_count * (len(self.buckets) + 1)}
+
+    # -- checkpoint state ----------------------------------------------------------------------
+    def state_dict(self):
+        """glo_buf, the residual and the global optimizer's state of every bucket (host)."""
+        self.wait()
+        out = []
+        for b in self.buckets:
+            state = b.shadow.state_dict()
+            out.append({"names": b.names,
+                        "glo_buf": _to_cpu(b.glo),
+                        "residual": _to_cpu(b.residual),
+                        "optimizer": _to_cpu(state),
+                        "codec": None if b.codec is None else b.codec.codec.state_dict()})
+        return {"buckets": out, "step": self.step_count}
+
+    def load_state_dict(self, state):
+        buckets = state["buckets"]
+        mine = [b.names for b in self.buckets]
+        if [s["names"] for s in buckets] != mine:
+            raise ValueError("this checkpoint's device-path buckets hold other parameters "
+                             "(saved %d buckets, this optimizer has %d): save and load with the "
+                             "same model, bucket size and comm_threshold"
+                             % (len(buckets), len(mine)))
+        with torch.no_grad():
+            for b, s in zip(self.buckets, buckets):
+                b.glo.copy_(s["glo_buf"])
+                if b.residual is not None:
+                    b.residual.copy_(s["residual"])
+                    b.codec.codec.load_state_dict(s["codec"])
+                b.shadow.load_state_dict(s["optimizer"])
+                b.step = None
+                b.work = None
+        self.step_count = state["step"]
+        self._tail_work = self._pending = self._flags = None
+
+    def close(self):
+        """Wait for the sums in flight (a collective left running would outlive the group)."""
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+        if self._tail_work is not None:
+            self._tail_work.wait()
+            self._tail_work = None
+
+
+class TailRides:
+    """StepSettingsCheck's transport on the device path: riders travel in the step's tail,
+    the rest (rank, allgather) is the host transport's."""
+
+    def __init__(self, transport, path):
+        self._transport, self._path = transport, path
+        self.rank = transport.rank
+
+    def ride(self, values):
+        return self._path.ride(values)
+
+    def allgather(self, values):
+        return self._transport.allgather(values)
+
+
+class _TailWork:
+    """The rider's carrier: waiting for it reads the tail (Rider.same())."""
+
+    def __init__(self, path):
+        self._path = path
+
+    def wait(self):
+        self._path.read_tail()
+
+
+def _to_cpu(obj):
+    """A copy on the host (a CPU tensor too: the live one changes with the next step)."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

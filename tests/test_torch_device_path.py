@@ -1,0 +1,131 @@
+"""The device path (slimgc_mx/torch/device_path.py) end to end on CPU tensors, 2 ranks over
+Gloo: against the host path, DDP and itself; its planning and choice in one process."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from slimgc_mx import codecs  # noqa: E402
+from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
+from slimgc_mx.torch import device_path  # noqa: E402
+from torch_launch import Batch, results  # noqa: E402
+
+SHARED = Batch(*(("device_path.py", mode) for mode in ("match", "nan", "settings", "resume")))
+CASES = ["%s-%s-%s" % (c, b, o) for c in ("none", "1bit", "2bit", "4bit")
+         for b in ("backup", "nobackup") for o in ("sgd", "adam")]
+
+
+def job(tmp_path, mode):
+    code, text = SHARED.run("device_path.py", tmp_path, mode)
+    assert code == 0, text[-4000:]
+    return results(tmp_path, mode)
+
+
+@pytest.mark.slow
+def test_every_codec_it_serves_gives_the_host_paths_global_weights(tmp_path):
+    """Adam runs torch's own step on both paths: bit for bit, backup on and off. SGD: the
+    host path's global update is a Cython kernel a rounding away from torch's (within
+    1.2e-7 of it here), while the device path runs torch's own SGD, so with full precision
+    and no backup it gives DDP's weights bit for bit."""
+    ranks = job(tmp_path, "match")
+    assert ranks[0] == ranks[1]  # every rank the same global weights
+    r = ranks[0]
+    for case in CASES:
+        got = r[case]
+        assert got["data_path"] == "device", case
+        if case.endswith("adam"):
+            assert got["device"] == got["host"], case
+        else:
+            assert 0 < got["max_diff"] <= 2e-7, case  # the kernel's rounding, no more
+        assert got["small_buckets"] == got["device"], case  # buckets do not change sums
+        assert got["compressed_buckets"] == (0 if case.startswith("none") else
+                                             got["buckets"] - 1), case
+    for optimizer in ("sgd", "adam"):
+        assert r["ddp-" + optimizer]["device"] == r["ddp-" + optimizer]["ddp"]
+
+
+@pytest.mark.slow
+def test_a_nan_gradient_on_one_rank_stops_every_rank_naming_it(tmp_path):
+    for r in job(tmp_path, "nan"):
+        assert r["before"]
+        assert "NonFiniteAggregateError" in r["error"]
+        for word in ("step 3", "0.weight", "rank 1", "no global weight was written"):
+            assert word in r["error"], r["error"]
+
+
+@pytest.mark.slow
+def test_a_setting_changed_on_one_rank_stops_every_rank(tmp_path):
+    for r in job(tmp_path, "settings"):
+        assert "ConfigMismatchError" in r["error"], r["error"]
+        assert "lr at step 4" in r["error"] and "rank 1 has 0.01" in r["error"], r["error"]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_bit_for_bit(tmp_path):
+    for r in job(tmp_path, "resume"):
+        assert r["params"][0] == r["params"][1]
+        assert r["flushed"][0] == r["flushed"][1]
+
+
+def _named(*sizes):
+    return [("p%d" % i, torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+
+
+def test_buckets_run_in_backward_order_by_group_kind_and_cap():
+    named = _named(10, 1000, 1000, 5, 1000)
+    groups = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1}
+    specs = device_path.plan_buckets(named, groups, codecs.create("2bit"), 1024, 8000)
+    assert [s.indices for s in specs] == [(4,), (3,), (2, 1), (0,)]
+    assert [s.group for s in specs] == [1, 0, 0, 0]
+    assert [s.compressed for s in specs] == [True, False, True, False]
+    # a cap below one tensor: one tensor per bucket
+    specs = device_path.plan_buckets(named, groups, codecs.create("2bit"), 1024, 100)
+    assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)]
+    # a codec with a per-tensor statistic: one bucket per compressed tensor
+    specs = device_path.plan_buckets(named, groups, codecs.create("1bit"), 0, 10 ** 9)
+    assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)]
+    # full precision: every bucket full precision, one per group
+    specs = device_path.plan_buckets(named, groups, None, 0, 10 ** 9)
+    assert [(s.indices, s.compressed) for s in specs] == [((4,), False), ((3, 2, 1, 0), False)]
+
+
+def test_the_choice_of_path_is_made_in_one_place_and_refuses_with_the_fix():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    config = SlimGCConfig(compressor="2bit")
+    assert device_path.choose("auto", config, sgd, cuda=True) == "device"
+    assert device_path.choose("auto", config, sgd, cuda=False) == "host"
+    assert device_path.choose("device", config, sgd, cuda=False) == "device"
+    assert device_path.choose("host", config, sgd, cuda=True) == "host"
+    for bad, words in ((SlimGCConfig(compressor="powersgd"), "powersgd"),
+                       (SlimGCConfig(compressor="2bit", loc_lr=0.1), "loc_lr"),
+                       (SlimGCConfig(compressor="2bit", audit_every=5), "audit_every")):
+        assert device_path.choose("auto", bad, sgd, cuda=True) == "host"
+        with pytest.raises(ValueError, match=words + ".*data_path='host'"):
+            device_path.choose("device", bad, sgd, cuda=True)
+    with pytest.raises(ValueError, match="data_path must be one of"):
+        device_path.choose("gpu", config, sgd, cuda=True)
+
+
+def test_one_process_without_torch_distributed_matches_plain_torch():
+    """A world of one without torch.distributed: the device path is torch's own optimizer
+    on the summed (here: own) gradient, so full precision gives plain SGD's weights."""
+    import slimgc_mx.torch as slimgc
+
+    def train(wrap):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        inner = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+        opt = slimgc.DistributedOptimizer(inner, net, compression="none", backup=False,
+                                          data_path="device") if wrap else inner
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            opt.zero_grad()
+            x = torch.randn(16, 4, generator=g)
+            net(x).square().mean().backward()
+            opt.step()
+        if wrap:
+            stats = opt.stats()
+            assert stats["data_path"] == "device" and stats["buckets"] == 1
+            assert stats["step_copies"]["pageable_bytes"] == 0
+            opt.close()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    assert torch.equal(train(True), train(False))
