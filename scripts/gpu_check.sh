@@ -33,7 +33,7 @@ fi
 if want tests; then
     log "CUDA tests"
     timeout "$(limit 90)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_torch_copies.py \
-        tests/test_torch_device_codec.py >"$OUT/tests.log" 2>&1
+        tests/test_torch_device_codec.py tests/test_torch_device_path.py >"$OUT/tests.log" 2>&1
     log "tests: $(tail -n 1 "$OUT/tests.log")"
 fi
 
@@ -48,7 +48,7 @@ bench() {  # NAME SECONDS ARGS...: one bench gpu invocation, its table as OUT/NA
 }
 
 bench vgg16 150 --model vgg16 --procs 1 --steps 20 --warmup 8 \
-    --configs no-ddp,ddp,slimgc-offload,slimgc-offload-nobackup,slimgc-gpu,slimgc-placement
+    --configs no-ddp,ddp,ddp-gpu-2bit,slimgc-device,slimgc-device-nobackup,slimgc-offload
 cp /tmp/gpu_vgg16/results.json "$OUT/vgg16.json" 2>/dev/null
 cp /tmp/gpu_vgg16/fig14.png "$OUT/fig14.png" 2>/dev/null
 
@@ -57,12 +57,12 @@ if [ -n "$BASE" ] && want baseline; then
     log "baseline"
     (cd "$BASE" && timeout "$(limit 60)" "$PY" -m slimgc_mx.bench gpu --out /tmp/gpu_base \
         --timeout 120 --model vgg16 --procs 1 --steps 20 --warmup 8 \
-        --configs slimgc-offload,slimgc-gpu >>"$OUT/all.log" 2>&1)
+        --configs slimgc-offload >>"$OUT/all.log" 2>&1)
     cp /tmp/gpu_base/table.md "$OUT/baseline.md" 2>/dev/null
 fi
 
 bench resnet50 90 --model resnet50 --procs 1 --steps 20 --warmup 8 \
-    --configs no-ddp,ddp,slimgc-offload,slimgc-placement
+    --configs no-ddp,ddp,slimgc-device,slimgc-offload
 bench p2 80 --model vgg16 --procs 2 --steps 10 --warmup 5 \
-    --configs ddp,ddp-powersgd,slimgc-offload
+    --configs ddp,ddp-powersgd,slimgc-device,slimgc-offload
 log "done"

@@ -264,7 +264,7 @@ def test_a_cuda_model_gives_the_cpu_models_global_weights_without_pageable_copie
         model = _model().to(device)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    model, compression="2bit", comm_threshold=4096,
-                                   backup=backup)
+                                   backup=backup, data_path="host")
         for step in range(5):
             gen = torch.Generator().manual_seed(step)
             for p in model.parameters():

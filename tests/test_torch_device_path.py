@@ -129,3 +129,47 @@ def test_one_process_without_torch_distributed_matches_plain_torch():
             opt.close()
         return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     assert torch.equal(train(True), train(False))
+
+
+def _cuda_job(device, compression, backup, wrap=True, optimizer="sgd", data_path="auto"):
+    """Five steps of given random gradients (not computed from the weights, so a rounding
+    apart in the update cannot move a level); the weights and the last step's copies."""
+    import slimgc_mx.torch as slimgc
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)).to(device)
+    inner = (torch.optim.Adam(net.parameters(), lr=0.01) if optimizer == "adam" else
+             torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    opt = slimgc.DistributedOptimizer(inner, net, compression=compression, backup=backup,
+                                      comm_threshold=0, data_path=data_path) if wrap else inner
+    for step in range(5):
+        gen = torch.Generator().manual_seed(step)
+        for p in net.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        opt.step()
+    counts = path = None
+    if wrap:
+        counts, path = opt.stats()["step_copies"], opt.data_path
+        opt.flush()
+        opt.close()
+    return [p.detach().cpu() for p in net.parameters()], counts, path
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backup", [True, False])
+@pytest.mark.parametrize("compression", ["none", "2bit"])
+def test_a_cuda_model_takes_the_device_path_without_copies(compression, backup):
+    """data_path='auto' picks the device path for a CUDA model; a steady step copies only the
+    tail (flags and settings, bytes), none of it pageable, and synchronises the host at most
+    once; the weights are the CPU device path's (full precision without backup: torch's own
+    SGD on the card, bit for bit)."""
+    cuda, counts, path = _cuda_job("cuda", compression, backup)
+    assert path == "device"
+    assert counts["pageable_bytes"] == 0 and counts["host_syncs"] <= 1, counts
+    assert counts["d2h_bytes"] < 1024 and counts["h2d_bytes"] < 1024, counts
+    cpu, _, _ = _cuda_job("cpu", compression, backup, data_path="device")
+    for a, b in zip(cpu, cuda):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
+    if compression == "none" and not backup:
+        plain, _, _ = _cuda_job("cuda", compression, backup, wrap=False)
+        for a, b in zip(plain, cuda):
+            assert torch.equal(a, b)

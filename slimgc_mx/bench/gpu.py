@@ -3,8 +3,8 @@
 Issue 32's Fig. 14 (peak GPU memory and samples/s of DDP, its hooks, GPU 2bit with error
 feedback and SlimGC) and Fig. 12/13 (a step's compute, copies, encode, transfer and overlap
 for all-GPU compression, all-CPU offload and the CTTab's placement, with and without
-backup). Each configuration runs in fresh processes (P ranks sharing one device over a Gloo
-group on loopback), so peak memory never leaks from one into the next; a configuration that
+backup), and the device path. Each configuration runs in fresh processes (P ranks sharing
+one device on loopback: an NCCL group for one rank on a GPU, else Gloo; --backend), so peak memory never leaks from one into the next; a configuration that
 fails or hangs is recorded and the next one runs. The measured compute and codec times are
 projected onto 10 and 100 Gbit/s links with the pieces of the cost model (scale.py).
 
@@ -29,10 +29,12 @@ DESCRIPTION = "PyTorch on a GPU: peak memory, samples/s, step composition (DDP v
 #: config -> what it runs
 CONFIGS = OrderedDict([
     ("no-ddp", "the model alone, torch.optim.SGD, no communication"),
-    ("ddp", "DistributedDataParallel, float32 allreduce (Gloo)"),
+    ("ddp", "DistributedDataParallel, float32 allreduce"),
     ("ddp-fp16", "DDP + fp16_compress_hook"),
     ("ddp-powersgd", "DDP + PowerSGD hook, rank 4, one bucket"),
     ("ddp-gpu-2bit", "DDP + a 2bit hook with error feedback on the GPU (residual per bucket)"),
+    ("slimgc-device", "SlimGC 2bit, the device path (data_path='device'), backup"),
+    ("slimgc-device-nobackup", "slimgc-device without model backup"),
     ("slimgc-offload", "SlimGC 2bit, every tensor compressed on the CPU (offload), backup"),
     ("slimgc-gpu", "SlimGC 2bit, every tensor compressed on the gradient's device, backup"),
     ("slimgc-placement", "SlimGC 2bit, the CTTab's placement (offload='auto'), backup"),
@@ -114,8 +116,11 @@ def parse_args(argv, prog):
     p.add_argument("--configs", type=lambda t: _list(t, list(CONFIGS), "config"),
                    default=list(CONFIGS), help="comma list (default: all, listed below)")
     p.add_argument("--procs", type=_counts, default=[1],
-                   help="ranks sharing the device over a Gloo group on loopback; a comma "
-                        "list runs each (default 1)")
+                   help="ranks sharing the device on loopback; a comma list runs each "
+                        "(default 1)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="the job's process group: auto is NCCL for one rank on a GPU (as a "
+                        "GPU job's would be; NCCL refuses two ranks on one GPU), else Gloo")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="where the model runs (default cuda; every rank on GPU 0)")
     p.add_argument("--timeout", type=_positive, default=240,
@@ -202,7 +207,7 @@ def run_config(config, model, procs, args, work):
     """One config at `procs` ranks, in fresh processes: a record with each rank's result,
     or the error / timeout that stopped it."""
     spec = {"config": config, "model": model, "batch": args.batch, "steps": args.steps,
-            "warmup": args.warmup, "device": args.device}
+            "warmup": args.warmup, "device": args.device, "backend": args.backend}
     folder = tempfile.mkdtemp(prefix="%s-%s-%d-" % (model, config, procs), dir=work)
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w") as f:
@@ -489,10 +494,13 @@ def _setup(config, model, device, world, warmup):
         return ddp, sgd, info
     import slimgc_mx.torch as slimgc
     options = {"backup": not config.endswith("-nobackup")}
-    if config.startswith("slimgc-placement"):
+    if config.startswith("slimgc-device"):
+        options.update(data_path="device", comm_threshold=0)
+    elif config.startswith("slimgc-placement"):
         options.update(offload="auto", comm_threshold="auto", warmup_steps=max(2, warmup))
     else:
         options.update(offload=config.startswith("slimgc-offload"), comm_threshold=0)
+    options.setdefault("data_path", "host")
     try:
         opt = slimgc.DistributedOptimizer(sgd, model, compression="2bit", **options)
     except ImportError as exc:  # offload=False needs the torch device codec
@@ -538,7 +546,10 @@ def run_rank(spec):
         torch.cuda.reset_peak_memory_stats(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    backend = spec.get("backend", "auto")
+    if backend == "auto":
+        backend = "nccl" if cuda and world == 1 else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     torch.manual_seed(0)
     side, classes = INPUTS[spec["model"]]
     with torch.device(device):
@@ -593,7 +604,9 @@ def run_rank(spec):
     if slim:
         out["stats"] = {k: after[k] for k in ("comm_threshold_bytes", "transfers",
                                               "compressed_transfers", "fused_keys",
-                                              "fused_buckets", "cttab_reason") if k in after}
+                                              "fused_buckets", "cttab_reason", "data_path",
+                                              "buckets", "compressed_buckets",
+                                              "compressed_keys") if k in after}
         out["stats"]["cttab_rows"] = len(after.get("cttab") or [])
         out["step_copies"] = last_copies  # the last timed step's (stats()' step_copies)
         per = {k: (after[k] - before[k]) / steps
@@ -706,6 +719,19 @@ def checks(results):
             out.append({"model": model, "procs": procs,
                         "target": "slimgc-offload peak >= 8% below ddp-gpu-2bit",
                         "value": "%.1f%% below" % (100 * drop), "met": drop >= 0.08})
+        dev = ok(model, procs, "slimgc-device")
+        if dev and ddp:  # the GPU data path issue's targets at one rank
+            limit = 1.1 if procs == 1 else 1.0
+            out.append({"model": model, "procs": procs,
+                        "target": "slimgc-device step <= %.1fx ddp" % limit,
+                        "value": "%.1f vs %.1f ms (%.2fx)" % (
+                            dev["ms_step"], ddp["ms_step"], dev["ms_step"] / ddp["ms_step"]),
+                        "met": dev["ms_step"] <= limit * ddp["ms_step"]})
+            if dev.get("peak_gib") is not None:
+                out.append({"model": model, "procs": procs,
+                            "target": "slimgc-device peak <= ddp peak",
+                            "value": "%.2f vs %.2f GiB" % (dev["peak_gib"], ddp["peak_gib"]),
+                            "met": dev["peak_gib"] <= ddp["peak_gib"]})
         for suffix in ("", "-nobackup"):
             pl, gpu, cpu = (ok(model, procs, c + suffix) for c in
                             ("slimgc-placement", "slimgc-gpu", "slimgc-offload"))
@@ -737,7 +763,11 @@ def _notes(record):
         notes.append("%d bucket%s" % (info["buckets"], "s" * (info["buckets"] > 1)))
     if info.get("hook"):
         notes.append(info["hook"])
-    if "stats" in rank:
+    if rank.get("stats", {}).get("data_path") == "device":
+        st = rank["stats"]
+        notes.append("device path: %d buckets (%d compressed), %d of %d keys compressed" % (
+            st["buckets"], st["compressed_buckets"], st["compressed_keys"], rank["keys"]))
+    elif "stats" in rank:
         notes.append("%d of %d keys compressed" % (
             round(rank["stats"]["compressed_transfers"] / max(1, rank["stats"]["transfers"])
                   * rank["keys"]), rank["keys"]))

@@ -140,7 +140,6 @@ class _Bucket:
         args = _constructor_args(optimizer, group)
         self.shadow = type(optimizer)(self.glo_views, **args)  # glo_buf's optimizer: the state
         self.local = type(optimizer)(self.params, **args)  # loc_buf's: the state copied in
-        self._scratch = {}  # local step's copies of the global state, kept per tensor
         self.codec = TorchDeviceCodec(codec) if spec.compressed else None
         if self.codec is not None:
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -149,8 +148,7 @@ class _Bucket:
         else:
             self.residual = None
             self.lanes = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.mean = torch.empty(self.numel, dtype=torch.float32, device=device)
-        self.mean_views = self._views(self.mean)
+        self.mean = None  # the decoded mean gradient, from decode() to global_step()
         self.work = None  # the lanes' sum in flight
         self.step = None  # the step whose sum the lanes hold (None: nothing pending)
 
@@ -173,26 +171,12 @@ class _Bucket:
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.glo_views)
             for p, w, g in zip(self.params, self.glo_views, grads):
-                self.local.state[p] = self._state_copy(p, self.shadow.state.get(w, {}))
+                self.local.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                                       for k, v in self.shadow.state.get(w, {}).items()}
                 p.grad = g
             self.local.step()
             for p in self.params:
                 self.local.state.pop(p, None)
-
-    def _state_copy(self, p, state):
-        """A copy of the global state of `p`'s tensor in buffers kept for it (allocating them
-        each step costs more than the copy)."""
-        scratch = self._scratch.setdefault(p, {})
-        out = {}
-        for k, v in state.items():
-            if torch.is_tensor(v) and v.numel() > 1:
-                buf = scratch.get(k)
-                if buf is None or buf.shape != v.shape:
-                    buf = scratch[k] = torch.empty_like(v)
-                out[k] = buf.copy_(v)
-            else:
-                out[k] = v.clone() if torch.is_tensor(v) else v
-        return out
 
     def encode(self, grads, num_workers, flag):
         """This rank's gradient, with error feedback, into the lanes (full precision: copied
@@ -209,8 +193,9 @@ class _Bucket:
             self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag)
 
     def decode(self, num_workers, counts):
-        """The summed lanes -> the mean gradient (mean, mean_views)."""
-        with torch.no_grad():
+        """The summed lanes -> the mean gradient (mean, until global_step)."""
+        with torch.no_grad():  # allocated per bucket: one bucket's worth is live at a time
+            self.mean = torch.empty(self.numel, dtype=torch.float32, device=self.glo.device)
             if self.codec is None:
                 torch.div(self.lanes, num_workers, out=self.mean)
                 return
@@ -222,12 +207,13 @@ class _Bucket:
 
     def global_step(self):
         """glo_buf <- one step of the user's optimizer with the mean gradient."""
-        for w, m in zip(self.glo_views, self.mean_views):
+        for w, m in zip(self.glo_views, self._views(self.mean)):
             w.grad = m
         with torch.no_grad():
             self.shadow.step()
         for w in self.glo_views:
             w.grad = None
+        self.mean = None
 
     def write_back(self):
         """The parameters get glo_buf (backup off, a flush)."""
@@ -243,6 +229,7 @@ class DevicePath:
         self.config = config
         self.num_workers, self.rank = transport.num_workers, transport.rank
         self.group = group
+        self._nccl = group is not None and dist.get_backend(group) == "nccl"
         self.counts = CopyCounts()
         codec = None
         if config.compressor != "none":
@@ -271,6 +258,8 @@ class DevicePath:
         self.tail_host = torch.zeros(n_tail, dtype=torch.float64,
                                      pin_memory=device.type == "cuda")
         self._tail_work = None  # the tail's sum in flight
+        self._tail_event = None  # CUDA: after the summed tail's copy into tail_host
+        self._side = None  # CUDA: the stream that copies the tail out
         self._tail_rider = None  # the rider it carries
         self._flags = None  # the summed flags, once read
         self._pending = None  # the step whose global updates are still to run
@@ -327,6 +316,7 @@ class DevicePath:
                 if self.tail.is_cuda:
                     self.counts.h2d_bytes += staged.numel() * staged.element_size()
         self._tail_work = self._sum(self.tail)
+        self._tail_event = self._tail_to_host()
         self._tail_rider = rider
         self._flags = None
         if rider is not None:
@@ -338,21 +328,42 @@ class DevicePath:
         if not backup:
             self.finish_pending(write_back=True)
 
+    def _tail_to_host(self):
+        """NCCL: on a side stream, wait for the tail's sum and copy it into pinned memory;
+        the event after the copy (the compute stream does not wait: the next forward runs
+        while the sums travel). None otherwise: read_tail waits for Gloo and copies."""
+        if not (self.tail.is_cuda and self._nccl):
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.tail.device)
+        self._side.wait_stream(torch.cuda.current_stream(self.tail.device))
+        with torch.cuda.stream(self._side):
+            if self._tail_work is not None:
+                self._tail_work.wait()  # NCCL: this stream waits; Gloo: the host does
+            self.tail_host.copy_(self.tail, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side)
+        self.counts.d2h_bytes += self.tail.numel() * self.tail.element_size()
+        return event
+
     def read_tail(self):
         """The pending step's summed tail onto the host, once: the step's one host
         synchronisation (with backup on, of a sum long done)."""
         if self._pending is None or self._flags is not None:
             return
         start = time.perf_counter()
-        if self._tail_work is not None:
-            self._tail_work.wait()
-            self._tail_work = None
-        with torch.no_grad():
-            self.tail_host.copy_(self.tail, non_blocking=self.tail.is_cuda)
-        if self.tail.is_cuda:
-            torch.cuda.current_stream(self.tail.device).synchronize()
+        if self._tail_event is not None:  # CUDA: the copy queued after the sum, waited for
+            self._tail_event.synchronize()
+            self._tail_event = None
             self.counts.host_syncs += 1
-            self.counts.d2h_bytes += self.tail.numel() * self.tail.element_size()
+        else:
+            if self._tail_work is not None:
+                self._tail_work.wait()
+            self.tail_host.copy_(self.tail)
+            if self.tail.is_cuda:  # a Gloo group's sum of CUDA tensors: a blocking copy
+                self.counts.host_syncs += 1
+                self.counts.d2h_bytes += self.tail.numel() * self.tail.element_size()
+        self._tail_work = None
         self.blocked_s += time.perf_counter() - start
         tail = self.tail_host.numpy()
         n = len(self.buckets)
@@ -462,7 +473,7 @@ class DevicePath:
                 b.step = None
                 b.work = None
         self.step_count = state["step"]
-        self._tail_work = self._pending = self._flags = None
+        self._tail_work = self._tail_event = self._pending = self._flags = None
 
     def close(self):
         """Wait for the sums in flight (a collective left running would outlive the group)."""
