@@ -128,7 +128,8 @@ def test_a_rank_that_aborts_at_exit_after_its_result_keeps_it(tmp_path, monkeypa
 
     monkeypatch.setattr(gpu.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(gpu, "_kill", lambda running: None)
-    args = argparse.Namespace(batch=2, steps=1, warmup=0, device="cpu", timeout=5)
+    args = argparse.Namespace(batch=2, steps=1, warmup=0, device="cpu", timeout=5,
+                              backend="auto")
     MODE = ["ok", "abort"]
     kept = gpu.run_config("no-ddp", "tiny", 2, args, str(tmp_path))
     assert kept["status"] == "ok" and kept["exit_abort"] == [1] and len(kept["ranks"]) == 2
