@@ -63,13 +63,22 @@ def test_bad_arguments_are_refused():
 
 
 #: The two-rank jobs below, in one torchrun (a job asked for that is not listed runs alone).
-SHARED = Batch(
-    ("clip.py", "ddp,slimgc,plain", json.dumps(
-        {"max_norm": MAX_NORM, "compression": "none", "backup": False})),
-    ("clip.py", "slimgc", json.dumps(
-        {"max_norm": MAX_NORM, "compression": "2bit", "backup": True, "momentum": 0,
-         "probe": True, "steps": 30, "comm_threshold": 0, "warmup_steps": 3,
-         "fuse_compressed": 4096})))
+PATHS = {"host": {"warmup_steps": 3, "fuse_compressed": 4096}, "device": {"data_path": "device"}}
+
+
+def _ddp_job(path):
+    return json.dumps(dict({"max_norm": MAX_NORM, "compression": "none", "backup": False},
+                           **({"data_path": "device"} if path == "device" else {})))
+
+
+def _backup_job(path):
+    return json.dumps(dict({"max_norm": MAX_NORM, "compression": "2bit", "backup": True,
+                            "momentum": 0, "probe": True, "steps": 30, "comm_threshold": 0},
+                           **PATHS[path]))
+
+
+SHARED = Batch(*(job for path in PATHS for job in (
+    ("clip.py", "ddp,slimgc,plain", _ddp_job(path)), ("clip.py", "slimgc", _backup_job(path)))))
 
 
 def run_ok(*args, **kw):
@@ -79,11 +88,12 @@ def run_ok(*args, **kw):
 
 
 @pytest.mark.slow
-def test_full_precision_without_backup_clips_as_ddp(tmp_path):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_full_precision_without_backup_clips_as_ddp(tmp_path, path):
     """The weights are DDP's with torch's clip_grad_norm_ (which clips at every step here);
-    torch's clip on the parameters under SlimGC clips each rank's own gradient instead."""
-    run_ok("clip.py", tmp_path, "ddp,slimgc,plain", json.dumps(
-        {"max_norm": MAX_NORM, "compression": "none", "backup": False}))
+    torch's clip on the parameters under SlimGC clips each rank's own gradient instead.
+    Both data paths (the device path on CPU tensors)."""
+    run_ok("clip.py", tmp_path, "ddp,slimgc,plain", _ddp_job(path))
     ddp, mine, plain = (results(tmp_path, m) for m in ("ddp", "slimgc", "plain"))
     for r in range(2):
         assert min(ddp[r]["norms"]) > MAX_NORM  # the clip was active at every step
@@ -94,14 +104,12 @@ def test_full_precision_without_backup_clips_as_ddp(tmp_path):
 
 
 @pytest.mark.slow
-def test_compressed_with_backup_clips_both_updates(tmp_path):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_compressed_with_backup_clips_both_updates(tmp_path, path):
     """2bit with backup, SGD without momentum: the global update moves the weights by
     lr * min(norm, max_norm) of the decoded mean gradient, the local one by lr * min(norm,
     max_norm) of this rank's own; the job trains and the ranks agree bitwise."""
-    run_ok("clip.py", tmp_path, "slimgc", json.dumps(
-        {"max_norm": MAX_NORM, "compression": "2bit", "backup": True, "momentum": 0,
-         "probe": True, "steps": 30, "comm_threshold": 0, "warmup_steps": 3,
-         "fuse_compressed": 4096}))
+    run_ok("clip.py", tmp_path, "slimgc", _backup_job(path))
     ranks = results(tmp_path, "slimgc")
     r0 = ranks[0]
     assert r0["weights"] == ranks[1]["weights"]

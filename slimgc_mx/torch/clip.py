@@ -32,7 +32,7 @@ def clip_grad_norm_(optimizer, max_norm, norm_type=2.0):
         device = norms[0].device
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
     scale = None
-    if optimizer._agg.config.backup:
+    if optimizer._config.backup:
         coef = max_norm / (float(total) + EPS)
         scale = coef if coef < 1.0 else None  # (NaN: unclipped, the step fails on it anyway)
     optimizer._request_clip(max_norm, norm_type, scale)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .. import codecs, notice
 from ..engine.offload import NonFiniteAggregateError
+from ..engine.step_clip import EPS
 from .collective import Rider
 from .copies import CopyCounts
 from .device import TorchDeviceCodec
@@ -263,6 +264,8 @@ class DevicePath:
         self._tail_rider = None  # the rider it carries
         self._flags = None  # the summed flags, once read
         self._pending = None  # the step whose global updates are still to run
+        self._pending_clip = None  # its (max_norm, norm_type) where it is clipped
+        self.last_norm = None  # the mean gradient's norm of the last clipped step applied
         self._rider = None
         self.step_count = 0
         self.error = None  # a NaN/Inf sum found: raised by every later call
@@ -292,17 +295,21 @@ class DevicePath:
         self._rider = Rider(values, self.num_workers)
         return self._rider
 
-    def step(self, grads_of, backup):
-        """One step: grads_of[i] is parameter i's gradient (model order)."""
+    def step(self, grads_of, backup, clip=None):
+        """One step: grads_of[i] is parameter i's gradient (model order). clip: (max_norm,
+        norm_type, local_scale) of slimgc.clip_grad_norm_: the mean gradient clipped by its
+        norm before the global update, the local update's gradient scaled by local_scale."""
         self.raise_error()
         if backup:
             self.finish_pending()
         rank_bit = float(2 ** self.rank) if self.num_workers <= 52 else 1.0
+        local_scale = clip[2] if clip is not None else None
         for j, b in enumerate(self.buckets):
             grads = [grads_of[i] for i in b.spec.indices]
             b.settings(self.optimizer.param_groups[b.spec.group])
             if backup:
-                b.local_step(grads)
+                b.local_step(grads if local_scale is None else
+                             [g * local_scale for g in grads])
             b.encode(grads, self.num_workers, self.tail[j])
             b.work = self._sum(b.lanes)
             b.step = self.step_count
@@ -322,6 +329,7 @@ class DevicePath:
         if rider is not None:
             rider.carried_by(_TailWork(self))
         self._pending = self.step_count
+        self._pending_clip = clip[:2] if clip is not None else None
         self.step_count += 1
         self.bytes_pushed += self._lanes_bytes
         self.bytes_fp32 += self._fp32_bytes
@@ -392,14 +400,31 @@ class DevicePath:
             for b in self.buckets:
                 b.step = None
             self.check.raise_found()
-        for b in self.buckets:
-            if b.step is None:
-                continue
-            b.decode(self.num_workers, self.counts)
+        pending = [b for b in self.buckets if b.step is not None]
+        clip, self._pending_clip = self._pending_clip, None
+        if clip is not None:  # every mean first: the norm is over all of them
+            for b in pending:
+                b.decode(self.num_workers, self.counts)
+            self._clip(pending, *clip)
+        for b in pending:
+            if clip is None:
+                b.decode(self.num_workers, self.counts)
             b.global_step()
             b.step = None
             if write_back:
                 b.write_back()
+
+    def _clip(self, buckets, max_norm, norm_type):
+        """The step's mean gradient scaled by min(1, max_norm / (norm + 1e-6)), its norm
+        over every bucket, as torch's clip_grad_norm_ after DDP's averaging; on the device
+        (last_norm keeps the norm as a tensor: reading it is the caller's synchronisation)."""
+        with torch.no_grad():
+            norms = torch.stack([torch.linalg.vector_norm(b.mean, norm_type) for b in buckets])
+            total = torch.linalg.vector_norm(norms, norm_type)
+            coef = torch.clamp(max_norm / (total + EPS), max=1.0)
+            for b in buckets:
+                b.mean.mul_(coef)
+        self.last_norm = total
 
     check = None  # a step_check.StepSettingsCheck (set by the optimizer for several ranks)
 

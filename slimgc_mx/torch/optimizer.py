@@ -306,10 +306,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step = device.step_count if device else self._agg.planner.steps[self._named[0][0]]
         self._raise_mismatch(step)
         clip, self._clip = self._clip, None
-        if clip is not None and device is not None:
-            raise ValueError("slimgc.clip_grad_norm_ runs on the host path only so far: build "
-                             "the DistributedOptimizer with data_path='host' to clip the mean "
-                             "gradient as DDP does")
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         grads = []
@@ -338,7 +334,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._check.start(step, StepSettings.of(self._inner))
         try:
             if device is not None:
-                device.step(grads, self._config.backup)
+                device.step(grads, self._config.backup, clip)
             elif clip is not None:
                 self._clipped_pushes(grads, *clip)
             else:  # every key pushed before any waits: fused buckets travel whole
@@ -382,8 +378,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def global_grad_norm(self):
         """The mean gradient's norm that slimgc.clip_grad_norm_ clipped at the latest step
         applied to the global weights (after flush(), the last step), else None."""
-        if self._agg is None:
-            return None
+        if self._device is not None:
+            last = self._device.last_norm  # a tensor on the device: read now
+            return None if last is None else float(last)
         last = self._agg.clip.last
         return None if last is None else last.total_norm
 

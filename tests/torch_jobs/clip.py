@@ -67,7 +67,8 @@ def run(mode):
         opt.close()
     record(out, mode, rank, weights=weights(net).tolist(), losses=losses, norms=norms,
            global_norms=global_norms, moved_local=moved_local, moved_global=moved_global,
-           compressed=stats.get("compressed_transfers"), fused=stats.get("fused_buckets"))
+           compressed=stats.get("compressed_transfers", stats.get("compressed_buckets")),
+           fused=stats.get("fused_buckets", stats.get("buckets")))
 
 
 for mode in modes:
