@@ -9,7 +9,8 @@ from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
 from slimgc_mx.torch import device_path  # noqa: E402
 from torch_launch import Batch, results  # noqa: E402
 
-SHARED = Batch(*(("device_path.py", mode) for mode in ("match", "nan", "settings", "resume")))
+MODES = ("match", "nan", "settings", "resume", "changed", "overlap")
+SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
 CASES = ["%s-%s-%s" % (c, b, o) for c in ("none", "1bit", "2bit", "4bit")
          for b in ("backup", "nobackup") for o in ("sgd", "adam")]
 
@@ -46,9 +47,29 @@ def test_every_codec_it_serves_gives_the_host_paths_global_weights(tmp_path):
 @pytest.mark.slow
 def test_a_nan_gradient_on_one_rank_stops_every_rank_naming_it(tmp_path):
     for r in job(tmp_path, "nan"):
-        assert r["before"]
-        assert "NonFiniteAggregateError" in r["error"]
+        assert "NonFiniteAggregateError" in r["error"], r["error"]
         for word in ("step 3", "0.weight", "rank 1", "no global weight was written"):
+            assert word in r["error"], r["error"]
+
+
+@pytest.mark.slow
+def test_buckets_started_in_backward_give_the_same_weights(tmp_path):
+    """Buckets started from the post-accumulate hooks (in bucket order) against started in
+    step(): the same global weights bit for bit, backup on and off, full precision and 2bit;
+    with accumulation (two backward calls a step) the first step shows it and buckets
+    start in step() on every rank."""
+    ranks = job(tmp_path, "overlap")
+    assert ranks[0] == ranks[1]
+    for case, got in ranks[0].items():
+        assert got["on"] == got["off"], case
+        assert got["overlap"] == ("off" if case == "accumulate" else "on"), case
+
+
+@pytest.mark.slow
+def test_a_gradient_changed_after_backward_sent_it_stops_every_rank(tmp_path):
+    for r in job(tmp_path, "changed"):
+        assert r["error"].startswith("RuntimeError: step 3"), r["error"]
+        for word in ("rank 1", "overlap=False", "no global weight was written"):
             assert word in r["error"], r["error"]
 
 

@@ -4,8 +4,9 @@ The host path (the engine's pipeline) copies each gradient to the host and the g
 weights and optimizer state back; here nothing leaves the device. Parameters are fused into
 buckets (DDP's bucket_cap_mb, in reverse order, the order backward produces them), each
 keeping on the device its glo_buf, the global optimizer's state (an instance of the user's
-optimizer over glo_buf's views), its error-feedback residual and its lanes. In step(), one
-pass per bucket:
+optimizer over glo_buf's views), its error-feedback residual and its lanes. One pass per
+bucket, started from backward once its last gradient is accumulated (hook(); in step()
+where the first step shows a gradient changing after backward):
   1. backup on: the previous step's global update, deferred until now: the sum waited for
      on the device (no host wait where the group is NCCL), decoded, the optimizer's rule
      into glo_buf;
@@ -59,6 +60,9 @@ def lacks(config, optimizer):
             config.comm_threshold not in ("auto", "off"):
         return "a saved CTTab decision (comm_threshold=%r) is the host path's" % (
             config.comm_threshold,)
+    devices = {p.device for g in optimizer.param_groups for p in g["params"]}
+    if len(devices) > 1:
+        return "the parameters are on several devices (%s)" % ", ".join(sorted(map(str, devices)))
     if type(optimizer).__init__ is torch.optim.Optimizer.__init__:
         return "the optimizer class cannot be rebuilt from its settings"
     return None
@@ -254,7 +258,8 @@ class DevicePath:
                                 self.num_workers) for s in self.specs]
         device = named[0][1].device
         self._rider_slots = Rider([0], self.num_workers).slots(np.float64).size
-        n_tail = len(self.buckets) + self._rider_slots
+        # the tail: each bucket's NaN/Inf flag, the overlap check, the settings rider
+        n_tail = len(self.buckets) + 1 + self._rider_slots
         self.tail = torch.zeros(n_tail, dtype=torch.float64, device=device)
         self.tail_host = torch.zeros(n_tail, dtype=torch.float64,
                                      pin_memory=device.type == "cuda")
@@ -268,6 +273,12 @@ class DevicePath:
         self.last_norm = None  # the mean gradient's norm of the last clipped step applied
         self._rider = None
         self.step_count = 0
+        self.overlap = "off"  # buckets start in step(); hook(): 'watch', 'deciding', 'on'/'off'
+        self._why = ""  # what this rank found against starting in backward, this step
+        self._handles = []
+        self._names = [n for n, _ in named]
+        self._step_open = False  # this step's deferred global updates are done (backup)
+        self._backup = config.backup
         self.error = None  # a NaN/Inf sum found: raised by every later call
         self.blocked_s = 0.0  # waiting for sums on the host
         self.bytes_pushed = 0
@@ -295,31 +306,106 @@ class DevicePath:
         self._rider = Rider(values, self.num_workers)
         return self._rider
 
+    # -- buckets started during backward (post-accumulate-grad hooks) -------------------
+    def hook(self, params):
+        """Start each bucket from backward, once its last gradient is accumulated, in bucket
+        order (every rank issues the same sums in the same order, whatever order backward
+        finishes them in). The first step only watches: if a gradient changes between its
+        hook and step() (accumulation, GradScaler's unscale_, a clip writing .grad), or a
+        clip with backup scales the local update, buckets keep starting in step()."""
+        self._params = params
+        self._bucket_of = {i: j for j, b in enumerate(self.buckets) for i in b.spec.indices}
+        self._handles = [p.register_post_accumulate_grad_hook(
+            lambda p, i=i: self._on_grad(i)) for i, p in enumerate(params)]
+        self.overlap = "watch"
+        self._reset_hooks()
+
+    def _reset_hooks(self):
+        self._fired = [0] * len(self._params)
+        self._versions = [None] * len(self._params)
+        self._ready = [0] * len(self.buckets)
+        self._next = 0  # the next bucket to start, in order
+
+    def _on_grad(self, i):
+        """Parameter i's gradient is final for this backward: note it; start the buckets
+        that are complete, in order."""
+        grad = self._params[i].grad
+        self._fired[i] += 1
+        self._versions[i] = (id(grad), grad._version)
+        if self.overlap != "on" or self._fired[i] > 1:
+            return
+        self._ready[self._bucket_of[i]] += 1
+        while self._next < len(self.buckets) and \
+                self._ready[self._next] == len(self.buckets[self._next].params):
+            self._start(self._next, [self._params[k].grad
+                                     for k in self.buckets[self._next].spec.indices])
+            self._next += 1
+
+    def _changed(self):
+        """What keeps this step's buckets from starting in backward: '' if nothing, else
+        which parameters got no gradient from it, several, or one changed after its hook."""
+        none = [self._names[i] for i, n in enumerate(self._fired) if n == 0]
+        several = [self._names[i] for i, n in enumerate(self._fired) if n > 1]
+        changed = [self._names[i] for i, p in enumerate(self._params) if self._fired[i] == 1
+                   and (p.grad is None or (id(p.grad), p.grad._version) != self._versions[i])]
+        for names, what in ((several, "got gradients from several backward calls before "
+                             "step() (accumulation)"),
+                            (changed, "changed after backward (GradScaler's unscale_, or a "
+                             "clip writing .grad)"),
+                            (none, "got no gradient from backward")):
+            if names:
+                return "the gradient of %s %s" % (", ".join(names[:4]), what)
+        return ""
+
+    # -- the step ------------------------------------------------------------------------------
+    def _start(self, j, grads, local_scale=None):
+        """Bucket j's pass: (the step's first) the deferred global updates; the local update;
+        the encode; its sum started."""
+        if not self._step_open:
+            self.raise_error()
+            if self._backup:
+                self.finish_pending()
+            self._step_open = True
+        b = self.buckets[j]
+        b.settings(self.optimizer.param_groups[b.spec.group])
+        if self._backup:
+            b.local_step(grads if local_scale is None else [g * local_scale for g in grads])
+        b.encode(grads, self.num_workers, self.tail[j])
+        b.work = self._sum(b.lanes)
+        b.step = self.step_count
+
     def step(self, grads_of, backup, clip=None):
         """One step: grads_of[i] is parameter i's gradient (model order). clip: (max_norm,
         norm_type, local_scale) of slimgc.clip_grad_norm_: the mean gradient clipped by its
-        norm before the global update, the local update's gradient scaled by local_scale."""
-        self.raise_error()
-        if backup:
-            self.finish_pending()
-        rank_bit = float(2 ** self.rank) if self.num_workers <= 52 else 1.0
+        norm before the global update, the local update's gradient scaled by local_scale.
+        The buckets backward started are checked, the others started here."""
+        self._backup = backup
         local_scale = clip[2] if clip is not None else None
-        for j, b in enumerate(self.buckets):
-            grads = [grads_of[i] for i in b.spec.indices]
-            b.settings(self.optimizer.param_groups[b.spec.group])
-            if backup:
-                b.local_step(grads if local_scale is None else
-                             [g * local_scale for g in grads])
-            b.encode(grads, self.num_workers, self.tail[j])
-            b.work = self._sum(b.lanes)
-            b.step = self.step_count
+        self.raise_error()
+        started = self._next if self.overlap == "on" else 0
+        why = ""
+        if self.overlap in ("on", "watch"):  # what would make starting in backward wrong
+            why = self._changed() or ("slimgc.clip_grad_norm_ with backup scales the local "
+                                      "update's gradient" if local_scale is not None and backup
+                                      else "")
+            self._why = why
+            if self.overlap == "watch":
+                self.overlap = "deciding"  # by every rank's verdict, in the tail
+        for j in range(started, len(self.buckets)):
+            self._start(j, [grads_of[i] for i in self.buckets[j].spec.indices], local_scale)
+        if self.overlap != "off":
+            self._reset_hooks()
+        self._step_open = False
+        rank_bit = float(2 ** self.rank) if self.num_workers <= 52 else 1.0
+        n = len(self.buckets)
         with torch.no_grad():
-            self.tail[:len(self.buckets)].mul_(rank_bit)
+            self.tail[n].fill_(1.0 if why else 0.0)
+            self.tail[:n + 1].mul_(rank_bit)
             rider, self._rider = self._rider, None
             if rider is not None:  # through pinned memory: no pageable copy
-                staged = self.tail_host[len(self.buckets):]
+                staged = self.tail_host[n + 1:]
                 staged.copy_(torch.from_numpy(rider.slots(np.float64)))
-                self.tail[len(self.buckets):].copy_(staged, non_blocking=True)
+                self.tail[n + 1:].copy_(staged, non_blocking=True)
                 if self.tail.is_cuda:
                     self.counts.h2d_bytes += staged.numel() * staged.element_size()
         self._tail_work = self._sum(self.tail)
@@ -376,9 +462,9 @@ class DevicePath:
         tail = self.tail_host.numpy()
         n = len(self.buckets)
         if self._tail_rider is not None:
-            self._tail_rider.sums = tail[n:].copy()
+            self._tail_rider.sums = tail[n + 1:].copy()
             self._tail_rider = None
-        self._flags = tail[:n].copy()
+        self._flags = tail[:n + 1].copy()
 
     def finish_pending(self, write_back=False):
         """The pending step's global updates: its tail read (NaN/Inf flags, settings), each
@@ -391,11 +477,13 @@ class DevicePath:
             if b.work is not None:
                 b.work.wait()  # on NCCL: the stream waits, not the host
                 b.work = None
-        bad = [j for j, f in enumerate(self._flags) if f != 0]
+        n = len(self.buckets)
+        bad = [j for j, f in enumerate(self._flags[:n]) if f != 0]
         self._pending = None
         if bad:
             self.error = self._nonfinite_message(step, self._flags, bad)
             self.raise_error()
+        self._overlap_verdict(step, int(self._flags[n]))
         if self.check is not None and self.check.differs(step):
             for b in self.buckets:
                 b.step = None
@@ -428,10 +516,38 @@ class DevicePath:
 
     check = None  # a step_check.StepSettingsCheck (set by the optimizer for several ranks)
 
+    def _overlap_verdict(self, step, value):
+        """Every rank's word on the step's gradients (the tail's overlap slot, 2**rank where
+        a gradient changed after backward or clipping needs the local update): after the
+        watched first step, whether buckets start in backward (alike on every rank); after
+        one that started in backward, an error on every rank, nothing written."""
+        if not value:
+            if self.overlap == "deciding":
+                self.overlap = "on"
+            return
+        ranks = self._ranks(value)
+        why = self._why or "a gradient changed between backward and step()"
+        if self.overlap == "deciding":
+            self.overlap = "off"
+            notice.tell("the device path starts its buckets in step(), not during backward: "
+                        "%s (rank %s)" % (why, ranks), once=True)
+            return
+        if self.overlap == "on":
+            self.error = ("step %d: %s (rank %s), after backward had sent it; buckets start "
+                          "during backward since the first step showed none of this, and no "
+                          "global weight was written from this step: build the "
+                          "DistributedOptimizer with overlap=False" % (step, why, ranks))
+            self._error_kind = RuntimeError
+            self.raise_error()
+
+    def _ranks(self, value):
+        """The ranks a summed slot of 2**rank names."""
+        if self.num_workers > 52:
+            return "%d of them" % value
+        return ", ".join(str(r) for r in range(self.num_workers) if value >> r & 1)
+
     def _nonfinite_message(self, step, flags, bad):
-        value = int(flags[bad[0]])
-        ranks = (", ".join(str(r) for r in range(self.num_workers) if value >> r & 1)
-                 if self.num_workers <= 52 else "%d of them" % value)
+        ranks = self._ranks(int(flags[bad[0]]))
         names = [n for j in bad for n in self.buckets[j].names]
         return ("step %d: the gradient of %s held NaN/Inf on rank %s (with its error-feedback "
                 "residual, where compressed); no global weight was written from this step's "
@@ -440,8 +556,11 @@ class DevicePath:
                 % (step, ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""), ranks))
 
     def raise_error(self):
+        """The error found (a non-finite sum, a gradient changed after it was sent), again."""
         if self.error is not None:
-            raise NonFiniteAggregateError(self.error)
+            raise self._error_kind(self.error)
+
+    _error_kind = NonFiniteAggregateError
 
     def flush(self):
         """Every pending global update done and the parameters given glo_buf."""
@@ -464,6 +583,7 @@ class DevicePath:
                 "steps": self.step_count, "bytes_pushed": self.bytes_pushed,
                 "bytes_pulled": self.bytes_pushed, "bytes_fp32": self.bytes_fp32,
                 "compress_s": 0.0, "comm_s": 0.0, "blocked_s": self.blocked_s,
+                "overlap": self.overlap,
                 "transfers": self.step_count * (len(self.buckets) + 1)}
 
     # -- checkpoint state ----------------------------------------------------------------------
@@ -501,7 +621,11 @@ class DevicePath:
         self._tail_work = self._tail_event = self._pending = self._flags = None
 
     def close(self):
-        """Wait for the sums in flight (a collective left running would outlive the group)."""
+        """Wait for the sums in flight (a collective left running would outlive the group)
+        and take the hooks off the parameters."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()

@@ -125,10 +125,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     device, device_path.py), 'host' (the engine's pipeline over host memory), or 'auto'
     (the device path for a CUDA model whose settings it serves, else the host path).
     bucket_cap_mb: the device path's bucket size (DDP's meaning).
+    overlap: the device path starts each bucket from backward, as DDP does, unless the
+    first step shows a gradient changing between backward and step() (False: in step()).
     """
 
     def __init__(self, optimizer, model, compression="2bit", broadcast_buffers=True,
-                 data_path="auto", bucket_cap_mb=device_path.BUCKET_CAP_MB, **options):
+                 data_path="auto", bucket_cap_mb=device_path.BUCKET_CAP_MB, overlap=True,
+                 **options):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got %s"
                             % type(optimizer).__name__)
@@ -168,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._agg = self._device = None
         if self.data_path == "device":
             self._device_path(optimizer, named, group_of, config, transport, distributed, cuda,
-                              bucket_cap_mb)
+                              bucket_cap_mb, overlap)
         else:
             self._host_path(optimizer, named, group_of, config, transport, cuda)
         self._buffers = [b for b in model.buffers()] if broadcast_buffers else []
@@ -194,7 +197,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.copy_(self._agg.backup.glo_buf(name).view(p.shape))  # rank 0's weights
 
     def _device_path(self, optimizer, named, group_of, config, transport, distributed, cuda,
-                     cap_mb):
+                     cap_mb, overlap):
         """device_path.DevicePath over these parameters, once the ranks agree on it."""
         if config.compressor != "none":
             momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
@@ -203,12 +206,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if transport.num_workers > 1:
             agreement.check(transport, dict(
                 config.agreement_fields(), num_workers=transport.num_workers,
-                data_path="device", bucket_cap_mb=float(cap_mb),
+                data_path="device", bucket_cap_mb=float(cap_mb), overlap=bool(overlap),
                 keys=[(n, tuple(p.shape)) for n, p in named],
                 optimizer=(type(optimizer).__name__, repr(StepSettings.of(optimizer)))))
         group = device_path.lane_group(transport.group, cuda) if distributed else None
         self._device = device_path.DevicePath(optimizer, named, group_of, config, transport,
                                               group, cap_mb)
+        if overlap:
+            self._device.hook([p for _, p in named])
         if transport.num_workers > 1:
             self._check = self._device.check = StepSettingsCheck(
                 device_path.TailRides(transport, self._device), StepSettings.of(optimizer))

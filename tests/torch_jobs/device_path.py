@@ -3,9 +3,12 @@ and itself resumed; each rank records what it found.
 
     device_path.py OUT match      every codec it serves x backup on/off x SGD/Adam: the
                                   flushed weights of both paths (and DDP's, full precision)
-    device_path.py OUT nan        rank 1's gradient is NaN at step 3: the error, and the
-                                  global weights before and after it
+    device_path.py OUT nan        rank 1's input, so its gradient, is NaN at step 3: the error
     device_path.py OUT settings   rank 1 changes its lr at step 4: the error
+    device_path.py OUT changed    rank 1 scales its gradient after backward at step 3, when
+                                  buckets start in backward: the error
+    device_path.py OUT overlap    buckets started in backward against in step() (backup on
+                                  and off, none and 2bit), and with accumulation
     device_path.py OUT resume     state_dict at step 5, resumed in a new optimizer: the
                                   weights at step 10 of both runs
 """
@@ -30,8 +33,10 @@ def make_opt(net, name):
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
 
-def train(path, compression, backup, optimizer, steps=STEPS, cap=None, hook=None):
-    """The flushed weights after `steps` (None for path: DDP), and the stats."""
+def train(path, compression, backup, optimizer, steps=STEPS, cap=None, hook=None, data=None,
+          overlap=True, accumulate=1):
+    """The flushed weights after `steps` (None for path: DDP), and the stats. hook(step, net,
+    opt) runs between backward and step(); data(step, x) may change a step's input."""
     net = model()
     if path is None:
         ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -45,11 +50,14 @@ def train(path, compression, backup, optimizer, steps=STEPS, cap=None, hook=None
     extra = {"bucket_cap_mb": cap} if cap is not None else {}
     opt = slimgc.DistributedOptimizer(make_opt(net, optimizer), net, compression=compression,
                                       backup=backup, data_path=path, comm_threshold=1024,
-                                      **extra)
+                                      overlap=overlap, **extra)
     for step in range(steps):
         opt.zero_grad()
-        x, y = batch(step, rank)
-        F.cross_entropy(net(x), y).backward()
+        for part in range(accumulate):
+            x, y = batch(step * accumulate + part, rank)
+            if data is not None:
+                data(step, x)
+            F.cross_entropy(net(x), y).backward()
         if hook is not None:
             hook(step, net, opt)
         opt.step()
@@ -80,19 +88,39 @@ if mode == "match":
     record(out, "match", rank, **result)
 
 elif mode == "nan":
-    seen = {}
-
-    def poison(step, net, opt):
-        if step == 3:
-            seen["before"] = [b.glo.clone() for b in opt._device.buckets]
-            if rank == 1:
-                next(net.parameters()).grad[0, 0] = float("nan")
-    error = after = None
+    def poison(step, x):
+        if step == 3 and rank == 1:
+            x[0, 0] = float("nan")
+    error = None
     try:
-        train("device", "2bit", True, "sgd", hook=poison)
+        train("device", "2bit", True, "sgd", data=poison)
     except Exception as exc:  # noqa: BLE001 -- recorded for the test
         error = "%s: %s" % (type(exc).__name__, exc)
-    record(out, "nan", rank, error=error, before=seen.get("before") is not None)
+    record(out, "nan", rank, error=error)
+
+elif mode == "changed":
+    def scale(step, net, opt):
+        if step == 3 and rank == 1:
+            next(net.parameters()).grad.mul_(0.5)
+    error = None
+    try:
+        train("device", "2bit", True, "sgd", hook=scale)
+    except Exception as exc:  # noqa: BLE001
+        error = "%s: %s" % (type(exc).__name__, exc)
+    record(out, "changed", rank, error=error)
+
+elif mode == "overlap":
+    result = {}
+    for compression in ("none", "2bit"):
+        for backup in (True, False):
+            on, stats = train("device", compression, backup, "sgd", cap=0.001)
+            off, _ = train("device", compression, backup, "sgd", cap=0.001, overlap=False)
+            result["%s-%s" % (compression, backup)] = {"on": digest(on), "off": digest(off),
+                                                       "overlap": stats["overlap"]}
+    on, stats = train("device", "2bit", True, "sgd", accumulate=2)
+    off, _ = train("device", "2bit", True, "sgd", accumulate=2, overlap=False)
+    result["accumulate"] = {"on": digest(on), "off": digest(off), "overlap": stats["overlap"]}
+    record(out, "overlap", rank, **result)
 
 elif mode == "settings":
     def change(step, net, opt):
