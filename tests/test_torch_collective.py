@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from slimgc_mx.torch.collective import TorchTransport  # noqa: E402
+from slimgc_mx.torch.collective import Rider, TorchTransport  # noqa: E402
 from slimgc_mx.transport.host import HostBuffer  # noqa: E402
 
 
@@ -45,6 +45,42 @@ def test_riders_tell_every_rank_whether_all_sent_the_same_and_leave_exchanges_in
     for case, r in ranks[0].items():
         assert r["intact"], case
         assert r["same"] is case.endswith("False"), case
+
+
+def test_a_riders_verdict_is_the_same_for_every_thread_that_asks():
+    """The global update's thread and the training thread's flush both ask a rider of the
+    last step. One that asked first but read the exchange after the other had finished
+    found the carrier let go and took it for a rider sent by no rank: 'same', so the last
+    step's mismatch went unreported at the flush. Here the second caller is held between
+    its first look and its read until the first caller is done."""
+    import threading
+
+    class Carrier:
+        def wait(self):
+            pass
+
+    class Gate:  # the rider's 'placed' event, holding the thread named 'second'
+        def __init__(self):
+            self.entered, self.first_done = threading.Event(), threading.Event()
+
+        def wait(self, timeout=None):
+            if threading.current_thread().name == "second":
+                self.entered.set()
+                assert self.first_done.wait(10)
+            return True
+
+    rider = Rider([5], num_workers=2)
+    rider.sums = np.array([3.0, 5.0])  # 2 * 5 != 3 * 3: the ranks sent different values
+    rider._carrier, rider._placed = Carrier(), Gate()
+    verdicts = {}
+    second = threading.Thread(target=lambda: verdicts.update(second=rider.same()),
+                              name="second")
+    second.start()
+    assert rider._placed.entered.wait(10)
+    verdicts["first"] = rider.same()
+    rider._placed.first_done.set()
+    second.join(10)
+    assert verdicts == {"first": False, "second": False}
 
 
 def test_a_job_is_rerun_once_after_the_known_abort_at_exit_only(monkeypatch):

@@ -94,6 +94,7 @@ class Rider:
         self.sums = None  # of the slots over the ranks, once the carrier is done
         self._carrier = None
         self._placed = threading.Event()
+        self._lock = threading.Lock()  # one caller of same() reads the exchange at a time
         self._same = None
 
     _slots = {}  # (values, dtype, ranks) -> slots(): a step's are mostly the last one's
@@ -135,17 +136,23 @@ class Rider:
         self._placed.set()
 
     def same(self):
-        """Wait for its exchange; True when every rank sent the same values."""
-        if self._same is None:
-            self._placed.wait()
-            if self._carrier is None:
-                return True
-            self._carrier.wait()
-            k = len(self.sums) // 2
-            s1, s2 = [int(x) for x in self.sums[:k]], [int(x) for x in self.sums[k:]]
-            self._same = all(self.num_workers * b == a * a for a, b in zip(s1, s2))
-            self._carrier = None
-        return self._same
+        """Wait for its exchange; True when every rank sent the same values. Either thread
+        (the global update's, the training thread's flush): the verdict is made under a
+        lock, so a second caller never finds the carrier let go before the verdict is set
+        (it read that as 'sent by no rank' and missed a difference)."""
+        self._placed.wait()
+        with self._lock:
+            if self._same is None:
+                if self._carrier is None:  # failed: sent by no rank
+                    self._same = True
+                else:
+                    self._carrier.wait()
+                    k = len(self.sums) // 2
+                    s1 = [int(x) for x in self.sums[:k]]
+                    s2 = [int(x) for x in self.sums[k:]]
+                    self._same = all(self.num_workers * b == a * a for a, b in zip(s1, s2))
+                    self._carrier = None
+            return self._same
 
 
 class TorchTransport(Transport):
