@@ -1,6 +1,7 @@
 """TorchTransport on a one-rank Gloo group: close() lets go of the group (so that
-destroy_process_group frees it while the interpreter is alive), and a collective asked of a
-closed transport fails at once instead of waiting for an issuer that is gone."""
+destroy_process_group frees it while the interpreter is alive) once Gloo holds none of the
+tensors it was handed, and a collective asked of a closed transport fails at once instead of
+waiting for an issuer that is gone."""
 import numpy as np
 import pytest
 
@@ -29,6 +30,38 @@ def test_close_lets_go_of_the_group_and_refuses_later_collectives(one_rank):
     assert transport._group is None
     with pytest.raises(RuntimeError, match="the transport is closed"):
         transport.broadcast(0, buf)
+
+
+def test_close_waits_until_gloo_has_let_go_of_every_tensor(one_rank, monkeypatch):
+    """Gloo's worker thread lets go of a finished collective a moment after wait() has
+    returned. Where it held the last reference to a tensor Python made while the interpreter
+    exited, it was ended inside a C++ destructor and the finished job aborted ('terminate
+    called without an active exception'). close() now returns once nothing is held. The
+    stand-in for the worker holds each tensor (a C++ reference) 0.3 s after the collective."""
+    import threading
+
+    held = []
+
+    class Done:
+        def wait(self):
+            return True
+
+        def is_completed(self):
+            return True
+
+    def broadcast(tensor, src=0, group=None, async_op=False):
+        holder = torch.zeros_like(tensor, requires_grad=True)
+        holder.grad = tensor  # a reference from C++, as the worker's
+        held.append(holder)
+        threading.Timer(0.3, held.remove, [holder]).start()
+        return Done()
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    transport = TorchTransport(timeout=30)
+    transport.broadcast(0, HostBuffer((4,)))
+    assert held
+    assert transport.close(timeout=5)
+    assert not held
 
 
 @pytest.mark.slow
