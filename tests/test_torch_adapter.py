@@ -156,8 +156,7 @@ def test_a_hyperparameter_changed_on_one_rank_fails_every_rank_naming_it(tmp_pat
     parted. Now both ranks fail at the next step (at the last step: at the flush) naming
     the setting, the step and each rank's value, and no global weight of it is written."""
     code, text = SETTINGS.run("settings.py", tmp_path, backup, at, timeout=180)
-    ranks = results(tmp_path, "settings")  # (recorded before the exit, which Gloo's
-    #                                         teardown now and then aborts, as before)
+    ranks = results(tmp_path, "settings")  # (recorded before the exit)
     for r in ranks:
         assert r["error"] == (
             "ConfigMismatchError: ranks disagree on param group 0 lr at step %d: rank 0 has "
