@@ -19,7 +19,7 @@ PACKAGE = ROOT / "slimgc_mx"
 # all_gather_single is torch 2.13's and broke every SlimGC job there. Add a name only
 # after checking that torch 2.11 has it.
 ALLOWED = frozenset({
-    "all_reduce", "all_gather_into_tensor", "broadcast", "barrier", "new_group",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "new_group",
     "get_rank", "get_world_size", "get_backend", "is_initialized",
     "init_process_group", "destroy_process_group", "TCPStore", "PrefixStore",
     "ReduceOp", "group",

@@ -1,13 +1,14 @@
 """TorchTransport on a one-rank Gloo group: close() lets go of the group (so that
-destroy_process_group frees it while the interpreter is alive), and a collective asked of a
-closed transport fails at once instead of waiting for an issuer that is gone."""
+destroy_process_group frees it while the interpreter is alive) once Gloo holds none of the
+tensors it was handed, and a collective asked of a closed transport fails at once instead of
+waiting for an issuer that is gone."""
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from slimgc_mx.torch.collective import TorchTransport  # noqa: E402
+from slimgc_mx.torch.collective import Rider, TorchTransport  # noqa: E402
 from slimgc_mx.transport.host import HostBuffer  # noqa: E402
 
 
@@ -31,6 +32,38 @@ def test_close_lets_go_of_the_group_and_refuses_later_collectives(one_rank):
         transport.broadcast(0, buf)
 
 
+def test_close_waits_until_gloo_has_let_go_of_every_tensor(one_rank, monkeypatch):
+    """Gloo's worker thread lets go of a finished collective a moment after wait() has
+    returned. Where it held the last reference to a tensor Python made while the interpreter
+    exited, it was ended inside a C++ destructor and the finished job aborted ('terminate
+    called without an active exception'). close() now returns once nothing is held. The
+    stand-in for the worker holds each tensor (a C++ reference) 0.3 s after the collective."""
+    import threading
+
+    held = []
+
+    class Done:
+        def wait(self):
+            return True
+
+        def is_completed(self):
+            return True
+
+    def broadcast(tensor, src=0, group=None, async_op=False):
+        holder = torch.zeros_like(tensor, requires_grad=True)
+        holder.grad = tensor  # a reference from C++, as the worker's
+        held.append(holder)
+        threading.Timer(0.3, held.remove, [holder]).start()
+        return Done()
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    transport = TorchTransport(timeout=30)
+    transport.broadcast(0, HostBuffer((4,)))
+    assert held
+    assert transport.close(timeout=5)
+    assert not held
+
+
 @pytest.mark.slow
 def test_riders_tell_every_rank_whether_all_sent_the_same_and_leave_exchanges_intact(tmp_path):
     """TorchTransport.ride: the per-step settings check's values travel with the next
@@ -38,13 +71,48 @@ def test_riders_tell_every_rank_whether_all_sent_the_same_and_leave_exchanges_in
     exchange; every rank learns the same verdict."""
     from torch_launch import results, torchrun
     torchrun("rider.py", tmp_path)
-    ranks = results(tmp_path, "rider")  # (recorded before the exit, which Gloo's teardown
-    #                                      now and then aborts)
+    ranks = results(tmp_path, "rider")  # (recorded before the exit)
     assert ranks[0] == ranks[1]
     assert len(ranks[0]) == 10
     for case, r in ranks[0].items():
         assert r["intact"], case
         assert r["same"] is case.endswith("False"), case
+
+
+def test_a_riders_verdict_is_the_same_for_every_thread_that_asks():
+    """The global update's thread and the training thread's flush both ask a rider of the
+    last step. One that asked first but read the exchange after the other had finished
+    found the carrier let go and took it for a rider sent by no rank: 'same', so the last
+    step's mismatch went unreported at the flush. Here the second caller is held between
+    its first look and its read until the first caller is done."""
+    import threading
+
+    class Carrier:
+        def wait(self):
+            pass
+
+    class Gate:  # the rider's 'placed' event, holding the thread named 'second'
+        def __init__(self):
+            self.entered, self.first_done = threading.Event(), threading.Event()
+
+        def wait(self, timeout=None):
+            if threading.current_thread().name == "second":
+                self.entered.set()
+                assert self.first_done.wait(10)
+            return True
+
+    rider = Rider([5], num_workers=2)
+    rider.sums = np.array([3.0, 5.0])  # 2 * 5 != 3 * 3: the ranks sent different values
+    rider._carrier, rider._placed = Carrier(), Gate()
+    verdicts = {}
+    second = threading.Thread(target=lambda: verdicts.update(second=rider.same()),
+                              name="second")
+    second.start()
+    assert rider._placed.entered.wait(10)
+    verdicts["first"] = rider.same()
+    rider._placed.first_done.set()
+    second.join(10)
+    assert verdicts == {"first": False, "second": False}
 
 
 def test_a_job_is_rerun_once_after_the_known_abort_at_exit_only(monkeypatch):

@@ -21,8 +21,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-#: What a rank prints when it aborts while its interpreter exits, after its work (a known
-#: defect of some Gloo jobs, not found yet: see bench/gpu.py EXIT_ABORT).
+#: What a rank printed when it aborted while its interpreter exited, after its work: a Gloo
+#: worker freeing a finished collective's tensors during finalization (TorchTransport keeps
+#: them until Gloo lets go: collective.Collectives). The rerun stays, as a guard.
 EXIT_ABORT = "terminate called without an active exception"
 
 

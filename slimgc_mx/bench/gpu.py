@@ -254,8 +254,9 @@ def run_config(config, model, procs, args, work):
             with open(path) as f:
                 ranks.append(json.load(f))
     skipped = [r["skipped"] for r in ranks if r.get("skipped")]
-    # a rank that wrote its result and then aborted while the interpreter exited (a known
-    # defect of Gloo jobs: docs/benchmarks.md) measured its steps: kept, and said so
+    # a rank that wrote its result and then aborted while the interpreter exited (a Gloo
+    # job's defect at exit, fixed in SlimGC's transport: docs/benchmarks.md) measured its
+    # steps: kept, and said so
     aborted = [r for r, p in enumerate(running) if len(ranks) == procs
                and p.returncode == -signal.SIGABRT and EXIT_ABORT in _tail(logs[r], 4000)]
     if aborted:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .. import codecs, notice
 from ..engine.offload import NonFiniteAggregateError
 from ..engine.step_clip import EPS
-from .collective import Rider
+from .collective import Collectives, Rider
 from .copies import CopyCounts
 from .device import TorchDeviceCodec
 from .framework import _constructor_args
@@ -235,6 +235,7 @@ class DevicePath:
         self.num_workers, self.rank = transport.num_workers, transport.rank
         self.group = group
         self._nccl = group is not None and dist.get_backend(group) == "nccl"
+        self._wire = Collectives(group) if group is not None else None
         self.counts = CopyCounts()
         codec = None
         if config.compressor != "none":
@@ -293,12 +294,12 @@ class DevicePath:
     def _sum(self, tensor, broadcast=False):
         """Start the sum of `tensor` over the ranks (rank 0's value: `broadcast`); its Work,
         or None in a job of one process without torch.distributed."""
-        if self.group is None:
+        if self._wire is None:
             return None
         if broadcast:
-            dist.broadcast(tensor, src=0, group=self.group)
+            self._wire.broadcast(tensor).wait()
             return None
-        return dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self._wire.all_reduce(tensor)
 
     # -- the step ----------------------------------------------------------------------------
     def ride(self, values):
@@ -633,6 +634,8 @@ class DevicePath:
         if self._tail_work is not None:
             self._tail_work.wait()
             self._tail_work = None
+        if self._wire is not None:
+            self._wire.settle(self.config.timeout)  # Gloo lets go before the group does
 
 
 class TailRides:
