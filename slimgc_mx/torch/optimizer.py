@@ -14,8 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import env
-from .. import codecs
+from .. import codecs, env, notice
 from ..engine import agreement, checkpoint
 from ..engine.aggregator import Aggregator
 from ..engine.planner import check_momentum
@@ -174,12 +173,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               bucket_cap_mb, overlap)
         else:
             self._host_path(optimizer, named, group_of, config, transport, cuda)
+        if cuda and transport.rank == 0:
+            notice.tell(self._where_state_lives(), once=True)
         self._buffers = [b for b in model.buffers()] if broadcast_buffers else []
         if self._buffers and transport.num_workers > 1:
             transport.broadcast_tensors([b.data for b in self._buffers])
         self._hook = model.register_forward_pre_hook(lambda module, args: (
             self._broadcast_buffers())) if self._buffers and transport.num_workers > 1 else None
         self._groups = _group_sizes(optimizer)  # the keys are fixed from here on
+
+    def _where_state_lives(self):
+        """Where a CUDA model's step runs and its state lives, said once at start."""
+        if self._device is not None:
+            d = self._device
+            return ("data path: device: glo_buf, the optimizer's state and the residuals stay "
+                    "on %s, %d buckets (%d compressed) summed over %s%s" % (
+                        d.buckets[0].glo.device, len(d.buckets),
+                        sum(b.codec is not None for b in d.buckets),
+                        "NCCL" if d._nccl else "Gloo" if d.group is not None else "no group",
+                        "" if d.overlap != "off" else ", started in step()"))
+        return ("data path: host: gradients copied to pinned host memory, glo_buf and the "
+                "optimizer's state offloaded there, the codecs on the CPU (offload=%r)"
+                % (self._config.offload,))
 
     def _host_path(self, optimizer, named, group_of, config, transport, cuda):
         """The engine's aggregator over these parameters, with rank 0's weights."""
