@@ -133,3 +133,44 @@ def test_a_job_is_rerun_once_after_the_known_abort_at_exit_only(monkeypatch):
     answers = [(1, torch_launch.EXIT_ABORT), (1, torch_launch.EXIT_ABORT)]
     with pytest.warns(UserWarning):
         assert torch_launch.torchrun("x.py", "out")[0] == 1  # twice: returned
+
+
+def test_a_job_past_its_time_leaves_no_process_behind(tmp_path, monkeypatch):
+    """torchrun starts its ranks in sessions of their own, so killing its process group left
+    them running; _torchrun kills every process below it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import torch_launch
+    script = tmp_path / "hang.py"
+    pidfile = tmp_path / "pid"
+    # a 'rank' in a session of its own that outlives its parent's group
+    script.write_text("import os, subprocess, sys, time\n"
+                      "p = subprocess.Popen([sys.executable, '-c', 'import time; "
+                      "time.sleep(120)'], start_new_session=True)\n"
+                      "open(%r, 'w').write(str(p.pid))\n"
+                      "time.sleep(120)\n" % str(pidfile))
+    real = subprocess.Popen
+
+    def popen(cmd, **kw):  # the job's command in torchrun's place
+        return real([sys.executable, str(script)], **kw)
+    monkeypatch.setattr(torch_launch.subprocess, "Popen", popen)
+    with pytest.raises(subprocess.TimeoutExpired):
+        torch_launch._torchrun("x.py", str(tmp_path), timeout=3)
+    pid = int(pidfile.read_text())
+
+    def running():  # (a killed process no one has reaped yet counts as gone)
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    for _ in range(50):
+        if not running():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the rank in its own session was left running")

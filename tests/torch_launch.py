@@ -41,6 +41,26 @@ def torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
     return code, text
 
 
+def _descendants(pid):
+    """The pids of every process below `pid` (read from /proc; [] where there is none)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def _torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *extra,
@@ -53,7 +73,13 @@ def _torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+            ranks = _descendants(proc.pid)  # torchrun starts them in sessions of their own
+            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             proc.communicate()
             raise
     return proc.returncode, stdout + stderr
