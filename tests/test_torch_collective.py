@@ -149,7 +149,8 @@ def test_a_job_past_its_time_leaves_no_process_behind(tmp_path, monkeypatch):
     # a 'rank' in a session of its own that outlives its parent's group
     script.write_text("import os, subprocess, sys, time\n"
                       "p = subprocess.Popen([sys.executable, '-c', 'import time; "
-                      "time.sleep(120)'], start_new_session=True)\n"
+                      "time.sleep(120)'], start_new_session=True, "
+                      "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
                       "open(%r, 'w').write(str(p.pid))\n"
                       "time.sleep(120)\n" % str(pidfile))
     real = subprocess.Popen
