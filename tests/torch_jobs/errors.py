@@ -20,14 +20,17 @@ def run(case):
         options["threshold"] = 0.75
     lr = 0.2 if case == "optimizer" and rank == 1 else 0.1
     opt = slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=lr), net, **options)
-    for step in range(4):
-        opt.zero_grad()
-        x, y = batch(step, rank)
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        if case == "nan" and step == 2 and rank == 1:
-            net[3].weight.grad[0, 0] = float("nan")
-        opt.step()
-    slimgc.flush(opt)
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            if case == "nan" and step == 2 and rank == 1:
+                net[3].weight.grad[0, 0] = float("nan")
+            opt.step()
+        slimgc.flush(opt)
+    finally:
+        opt.close()  # its threads stopped: nothing of it issues a collective later
 
 
 for case in cases:
