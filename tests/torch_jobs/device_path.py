@@ -67,6 +67,15 @@ def train(path, compression, backup, optimizer, steps=STEPS, cap=None, hook=None
     return weights(net).clone(), stats
 
 
+def error_of(**kw):
+    """What a 2bit job with backup on the device path raised (None: nothing)."""
+    try:
+        train("device", "2bit", True, "sgd", **kw)
+    except Exception as exc:  # noqa: BLE001 -- recorded for the test
+        return "%s: %s" % (type(exc).__name__, exc)
+    return None
+
+
 if mode == "match":
     result = {}
     for compression in ("none", "1bit", "2bit", "4bit"):
@@ -91,23 +100,13 @@ elif mode == "nan":
     def poison(step, x):
         if step == 3 and rank == 1:
             x[0, 0] = float("nan")
-    error = None
-    try:
-        train("device", "2bit", True, "sgd", data=poison)
-    except Exception as exc:  # noqa: BLE001 -- recorded for the test
-        error = "%s: %s" % (type(exc).__name__, exc)
-    record(out, "nan", rank, error=error)
+    record(out, "nan", rank, error=error_of(data=poison))
 
 elif mode == "changed":
     def scale(step, net, opt):
         if step == 3 and rank == 1:
             next(net.parameters()).grad.mul_(0.5)
-    error = None
-    try:
-        train("device", "2bit", True, "sgd", hook=scale)
-    except Exception as exc:  # noqa: BLE001
-        error = "%s: %s" % (type(exc).__name__, exc)
-    record(out, "changed", rank, error=error)
+    record(out, "changed", rank, error=error_of(hook=scale))
 
 elif mode == "overlap":
     result = {}
@@ -126,12 +125,7 @@ elif mode == "settings":
     def change(step, net, opt):
         if step == 4 and rank == 1:
             opt.param_groups[0]["lr"] = 0.01
-    error = None
-    try:
-        train("device", "2bit", True, "sgd", hook=change)
-    except Exception as exc:  # noqa: BLE001
-        error = "%s: %s" % (type(exc).__name__, exc)
-    record(out, "settings", rank, error=error)
+    record(out, "settings", rank, error=error_of(hook=change))
 
 elif mode == "resume":
     def run(stop, state=None):
