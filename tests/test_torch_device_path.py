@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
-from slimgc_mx.torch import device_path  # noqa: E402
+from slimgc_mx.torch import buckets, device_path  # noqa: E402
 from torch_launch import Batch, results  # noqa: E402
 
 MODES = ("match", "nan", "settings", "resume", "changed", "overlap")
@@ -94,18 +94,18 @@ def _named(*sizes):
 def test_buckets_run_in_backward_order_by_group_kind_and_cap():
     named = _named(10, 1000, 1000, 5, 1000)
     groups = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1}
-    specs = device_path.plan_buckets(named, groups, codecs.create("2bit"), 1024, 8000)
+    specs = buckets.plan_buckets(named, groups, codecs.create("2bit"), 1024, 8000)
     assert [s.indices for s in specs] == [(4,), (3,), (2, 1), (0,)]
     assert [s.group for s in specs] == [1, 0, 0, 0]
     assert [s.compressed for s in specs] == [True, False, True, False]
     # a cap below one tensor: one tensor per bucket
-    specs = device_path.plan_buckets(named, groups, codecs.create("2bit"), 1024, 100)
+    specs = buckets.plan_buckets(named, groups, codecs.create("2bit"), 1024, 100)
     assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)]
     # a codec with a per-tensor statistic: one bucket per compressed tensor
-    specs = device_path.plan_buckets(named, groups, codecs.create("1bit"), 0, 10 ** 9)
+    specs = buckets.plan_buckets(named, groups, codecs.create("1bit"), 0, 10 ** 9)
     assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)]
     # full precision: every bucket full precision, one per group
-    specs = device_path.plan_buckets(named, groups, None, 0, 10 ** 9)
+    specs = buckets.plan_buckets(named, groups, None, 0, 10 ** 9)
     assert [(s.indices, s.compressed) for s in specs] == [((4,), False), ((3, 2, 1, 0), False)]
 
 

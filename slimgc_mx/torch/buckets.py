@@ -1,0 +1,141 @@
+"""The device path's buckets: which parameters each fuses (plan_buckets, DDP's rules) and a
+bucket's state on the device (Bucket: glo_buf and its optimizer, the residual, the lanes)
+with the stages of its pass, each in torch ops."""
+import dataclasses
+
+import torch
+
+from .device import TorchDeviceCodec
+from .framework import _constructor_args
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """Which parameters one bucket fuses (indices into the model's trainable parameters, in
+    backward order), their param group, and whether the bucket is compressed."""
+
+    indices: tuple
+    group: int
+    compressed: bool
+
+
+def plan_buckets(named, group_of, codec, comm_threshold, cap_bytes):
+    """The buckets of `named` ((name, parameter) pairs): reverse order; one param group and
+    one kind (compressed or full precision) per bucket; a bucket closes before it would pass
+    `cap_bytes`; a codec with a per-tensor statistic (1bit's scale, 4bit's group) gets one
+    bucket per compressed tensor, so its statistic stays the tensor's own."""
+    per_tensor = codec is not None and codec.trailer_lanes > 0
+    specs, run, run_key, run_bytes = [], [], None, 0
+    for i in reversed(range(len(named))):
+        p = named[i][1]
+        nbytes = p.numel() * p.element_size()
+        compressed = codec is not None and nbytes >= comm_threshold
+        key = (group_of[i], compressed)
+        if run and (key != run_key or run_bytes + nbytes > cap_bytes
+                    or (compressed and per_tensor)):
+            specs.append(BucketSpec(tuple(run), run_key[0], run_key[1]))
+            run, run_bytes = [], 0
+        run.append(i)
+        run_key, run_bytes = key, run_bytes + nbytes
+    if run:
+        specs.append(BucketSpec(tuple(run), run_key[0], run_key[1]))
+    return specs
+
+
+class Bucket:
+    """One bucket's device state: glo_buf (flat) and its views, the global optimizer over
+    them, the local optimizer over the parameters, the residual, the lanes."""
+
+    def __init__(self, spec, named, optimizer, codec, num_workers):
+        self.spec = spec
+        self.names = [named[i][0] for i in spec.indices]
+        self.params = [named[i][1] for i in spec.indices]
+        self.sizes = [p.numel() for p in self.params]
+        self.numel = sum(self.sizes)
+        device = self.params[0].device
+        with torch.no_grad():
+            self.glo = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.glo_views = self._views(self.glo)
+        group = {k: v for k, v in optimizer.param_groups[spec.group].items() if k != "params"}
+        args = _constructor_args(optimizer, group)
+        self.shadow = type(optimizer)(self.glo_views, **args)  # glo_buf's optimizer: the state
+        self.local = type(optimizer)(self.params, **args)  # loc_buf's: the state copied in
+        self.codec = TorchDeviceCodec(codec) if spec.compressed else None
+        if self.codec is not None:
+            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
+            n = codec.lane_count(self.numel, num_workers)
+            self.lanes = torch.zeros(n, dtype=torch.float64, device=device)
+        else:
+            self.residual = None
+            self.lanes = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.mean = None  # the decoded mean gradient, from decode() to global_step()
+        self.work = None  # the lanes' sum in flight
+        self.step = None  # the step whose sum the lanes hold (None: nothing pending)
+
+    def _views(self, flat):
+        out, offset = [], 0
+        for p, n in zip(self.params, self.sizes):
+            out.append(flat[offset:offset + n].view(p.shape))
+            offset += n
+        return out
+
+    def settings(self, group):
+        """The user's current settings of this bucket's param group into both optimizers."""
+        values = {k: v for k, v in group.items() if k != "params"}
+        self.shadow.param_groups[0].update(values)
+        self.local.param_groups[0].update(values)
+
+    def local_step(self, grads):
+        """loc_buf <- one step of the rule from glo_buf with this rank's `grads`, reading the
+        global state and writing none of it (the host path's local update, in torch ops)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.glo_views)
+            for p, w, g in zip(self.params, self.glo_views, grads):
+                self.local.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                                       for k, v in self.shadow.state.get(w, {}).items()}
+                p.grad = g
+            self.local.step()
+            for p in self.params:
+                self.local.state.pop(p, None)
+
+    def encode(self, grads, num_workers, flag):
+        """This rank's gradient, with error feedback, into the lanes (full precision: copied
+        in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual) is not finite."""
+        with torch.no_grad():
+            if self.codec is None:
+                torch.cat([g.reshape(-1) for g in grads], out=self.lanes)
+                flag.copy_(~torch.isfinite(self.lanes).all())
+                return
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            n = self.codec.codec.lane_count(self.numel, num_workers)  # 4bit's moves
+            if self.lanes.numel() != n:
+                self.lanes = torch.zeros(n, dtype=torch.float64, device=flat.device)
+            self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag)
+
+    def decode(self, num_workers, counts):
+        """The summed lanes -> the mean gradient (mean, until global_step)."""
+        with torch.no_grad():  # allocated per bucket: one bucket's worth is live at a time
+            self.mean = torch.empty(self.numel, dtype=torch.float32, device=self.glo.device)
+            if self.codec is None:
+                torch.div(self.lanes, num_workers, out=self.mean)
+                return
+            self.codec.decode(self.lanes, self.numel, num_workers, out=self.mean,
+                              checked=False)
+            if self.codec.codec.trailer_lanes and self.lanes.is_cuda:
+                counts.host_syncs += 1  # the statistic read back (1bit's scale, 4bit's group)
+            self.mean.div_(num_workers)
+
+    def global_step(self):
+        """glo_buf <- one step of the user's optimizer with the mean gradient."""
+        for w, m in zip(self.glo_views, self._views(self.mean)):
+            w.grad = m
+        with torch.no_grad():
+            self.shadow.step()
+        for w in self.glo_views:
+            w.grad = None
+        self.mean = None
+
+    def write_back(self):
+        """The parameters get glo_buf (backup off, a flush)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.glo_views)
