@@ -86,8 +86,9 @@ def test_restart_drill_ends_with_the_uninterrupted_weights(tmp_path):
     assert a[0]["weights"] == b[0]["weights"] == b[1]["weights"]
 
 
-def test_amp_step_with_inf_on_one_rank_is_skipped_on_every_rank(tmp_path):
-    run_ok("amp.py", tmp_path)
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_amp_step_with_inf_on_one_rank_is_skipped_on_every_rank(tmp_path, path):
+    run_ok("amp.py", tmp_path, path)
     ranks = results(tmp_path, "amp")
     h0, h1 = ranks[0]["history"], ranks[1]["history"]
     assert h0 == h1  # every step taken or skipped alike
@@ -112,7 +113,7 @@ SHARED = Batch(
     ("codecs.py", "backup"), ("codecs.py", "nobackup"),
     ("resume.py", "2bit", "backup"), ("resume.py", "powersgd", "nobackup"),
     ("resume.py", "adam", "backup"),
-    ("restart.py", "straight"), ("amp.py",),
+    ("restart.py", "straight"), ("amp.py", "host"), ("amp.py", "device"),
     ("save_midway.py", "2bit", "backup"), ("save_midway.py", "2bit", "nobackup"),
     ("errors.py", ",".join(ERRORS)))
 #: The per-step settings check's jobs, in a torchrun of their own, so that one case can be

@@ -194,3 +194,39 @@ def test_a_cuda_model_takes_the_device_path_without_copies(compression, backup):
         plain, _, _ = _cuda_job("cuda", compression, backup, wrap=False)
         for a, b in zip(plain, cuda):
             assert torch.equal(a, b)
+
+
+def test_a_grad_scaler_keeps_buckets_out_of_backward():
+    """GradScaler's unscale writes .grad without bumping its version, so the watch cannot see
+    it: a scaler at the first step keeps buckets in step() (the weights are those of
+    overlap=False), and one that appears once they start in backward raises, naming the
+    fix, rather than send scaled gradients."""
+    import slimgc_mx.torch as slimgc
+
+    def train(overlap, scaler_from):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        opt = slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                          compression="2bit", backup=False,
+                                          data_path="device", overlap=overlap)
+        scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+        g = torch.Generator().manual_seed(1)
+        try:
+            for step in range(4):
+                opt.zero_grad()
+                loss = net(torch.randn(16, 4, generator=g)).square().mean()
+                if step >= scaler_from:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
+            return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), opt.stats()
+        finally:
+            opt.close()
+    on, stats = train(True, 0)
+    off, _ = train(False, 0)
+    assert stats["overlap"] == "off" and torch.equal(on, off)
+    with pytest.raises(RuntimeError, match="GradScaler.*overlap=False"):
+        train(True, 2)

@@ -209,6 +209,21 @@ class DevicePath:
                                      for k in self.buckets[self._next].spec.indices])
             self._next += 1
 
+    def no_overlap(self, why):
+        """A step where starting buckets in backward is wrong whatever the gradients' versions
+        say (GradScaler's unscale writes .grad without marking it): buckets start in step()
+        from now on; if backward has started some already, every rank raises here alike."""
+        if self.overlap == "on":
+            self.error = ("step %d: %s, after backward had sent the buckets; no global weight "
+                          "was written from this step: build the DistributedOptimizer with "
+                          "overlap=False" % (self.step_count, why))
+            self._error_kind = RuntimeError
+            self.raise_error()
+        if self.overlap in ("watch", "deciding"):
+            self.overlap = "off"
+            notice.tell("the device path starts its buckets in step(), not during backward: "
+                        "%s" % why, once=True)
+
     def _changed(self):
         """What keeps this step's buckets from starting in backward: '' if nothing, else
         which parameters got no gradient from it, several, or one changed after its hook."""

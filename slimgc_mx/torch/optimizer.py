@@ -340,6 +340,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 "gradients (use a dense embedding)" % name)
             grads.append(p.grad)
         if found_inf is not None:
+            if device is not None:  # the unscale does not bump .grad's version: say so here
+                device.no_overlap("GradScaler unscales the gradients after backward")
             if scale is not None:  # not unscaled by the user: unscale as GradScaler would
                 inv = scale.double().reciprocal().float()
                 found_inf = torch.zeros_like(found_inf)

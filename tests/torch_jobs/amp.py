@@ -1,6 +1,6 @@
 """A rank under torch.autocast (bfloat16 on CPU) and a GradScaler, with an inf injected into
 rank 1's gradient at step 3: that step is skipped on every rank alike; records the weights
-after each step and the scale."""
+after each step and the scale. argv[2], if given: the data_path (host or device)."""
 import sys
 
 import torch
@@ -10,12 +10,13 @@ import slimgc_mx.torch as slimgc
 from common import batch, model, record, weights
 
 out = sys.argv[1]
+path = sys.argv[2] if len(sys.argv) > 2 else "host"
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 net = model()
 opt = slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
                                   net, compression="2bit", comm_threshold=0, warmup_steps=2,
-                                  backup=False)
+                                  backup=False, data_path=path)
 scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
 history, scales = [], []
 for step in range(6):
