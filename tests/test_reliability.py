@@ -332,14 +332,16 @@ def test_nan_gradient_on_one_worker_fails_both_workers(tmp_path):
     # A normal exit after the error: the kvstore skips MXNet's finalize (which would wait for
     # transfers the other worker dropped) and leaves with status 1.
     job = Launched(tmp_path / "nan", ["--steps", "60", "--nan-at", "12", "--print-every", "0",
-                                      "--error-wait-peers", "20", "--on-error", "exit"])
+                                      "--error-wait-peers", "45", "--on-error", "exit"])
     try:
-        code = job.wait(60)
+        code = job.wait(90)
     finally:
         job.cleanup()
     assert code == 1, job.stderr[-3000:]
     assert "exiting without MXNet's kvstore shutdown" in job.stderr
-    for rank in range(2):
+    for rank in range(2):  # (a rank waits up to 45 s for the other's record: a loaded machine)
+        assert os.path.exists(os.path.join(job.out, "rank%d.json" % rank)), (
+            "rank %d wrote no record\n%s\n%s" % (rank, job.stdout[-3000:], job.stderr[-3000:]))
         info = job.rank_json(rank)
         assert info.get("error_cause") == "NonFiniteAggregateError", info
         assert info["error_type"] == "PipelineError"
