@@ -122,6 +122,14 @@ def test_the_choice_of_path_is_made_in_one_place_and_refuses_with_the_fix():
         assert device_path.choose("auto", bad, sgd, cuda=True) == "host"
         with pytest.raises(ValueError, match=words + ".*data_path='host'"):
             device_path.choose("device", bad, sgd, cuda=True)
+    # offload asked for (True, or the CTTab's 'auto'): the host path's CPU codecs
+    for offload in (True, "auto"):
+        given = SlimGCConfig(compressor="2bit", offload=offload)
+        assert device_path.choose("auto", given, sgd, cuda=True, offload_given=True) == "host"
+        with pytest.raises(ValueError, match="offload.*data_path='host'"):
+            device_path.choose("device", given, sgd, cuda=True, offload_given=True)
+    given = SlimGCConfig(compressor="2bit", offload=False)
+    assert device_path.choose("auto", given, sgd, cuda=True, offload_given=True) == "device"
     with pytest.raises(ValueError, match="data_path must be one of"):
         device_path.choose("gpu", config, sgd, cuda=True)
 

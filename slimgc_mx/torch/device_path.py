@@ -67,17 +67,21 @@ def lacks(config, optimizer):
     return None
 
 
-def choose(data_path, config, optimizer, cuda):
+def choose(data_path, config, optimizer, cuda, offload_given=False):
     """Where the step runs: 'device' or 'host' (the one place this is decided).
 
     'auto': the device path for a CUDA model whose settings it serves, else the host path;
-    'device' is refused, naming why, where the device path lacks a setting."""
+    'device' is refused, naming why, where the device path lacks a setting. offload_given:
+    the user set offload (keyword or SLIMGC_OFFLOAD); True or 'auto' asks for the host
+    path's CPU codecs (offload=False, codecs on the device, is the device path's too)."""
     if data_path not in CHOICES:
         raise ValueError("data_path must be one of %s, got %r" % (", ".join(CHOICES),
                                                                  data_path))
     if data_path == "host":
         return "host"
     why = lacks(config, optimizer)
+    if why is None and offload_given and config.offload is not False:
+        why = "offload=%r (CPU codecs) is the host path's" % (config.offload,)
     if data_path == "device":
         if why is not None:
             raise ValueError("data_path='device': %s; use data_path='host'" % why)

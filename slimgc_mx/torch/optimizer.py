@@ -151,7 +151,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         distributed = _init_process_group(config.timeout)
         transport = TorchTransport(config.timeout) if distributed else LocalTransport()
         cuda = any(p.is_cuda for _, p in named)
-        self.data_path = device_path.choose(data_path, config, optimizer, cuda)
+        self.data_path = device_path.choose(
+            data_path, config, optimizer, cuda,
+            offload_given="offload" in options or bool(env.option_variables(["offload"])))
         # torch.optim.Optimizer's own attributes (hooks), then the wrapped one's groups/state
         super().__init__([torch.zeros(1, requires_grad=True)], {})
         self.defaults = optimizer.defaults
