@@ -42,11 +42,17 @@ BUCKET_CAP_MB = 25.0
 CHOICES = ("auto", "device", "host")
 
 
+def make_codec(config):
+    """The codec `config` names (None for full precision), as every bucket's is cloned."""
+    if config.compressor == "none":
+        return None
+    return codecs.create(config.compressor, threshold=config.threshold, **config.codec_options)
+
+
 def lacks(config, optimizer):
     """Why the device path cannot run `config` (a SlimGCConfig) for `optimizer`, or None."""
-    if config.compressor != "none":
-        codec = codecs.create(config.compressor, threshold=config.threshold,
-                              **config.codec_options)
+    codec = make_codec(config)
+    if codec is not None:
         if not TorchDeviceCodec.supports(codec):
             return ("compression=%r has no torch-ops version yet (the device path serves "
                     "none, 1bit, 2bit and 4bit)" % config.compressor)
@@ -108,13 +114,10 @@ class DevicePath:
         self._nccl = group is not None and dist.get_backend(group) == "nccl"
         self._wire = Collectives(group) if group is not None else None
         self.counts = CopyCounts()
-        codec = None
-        if config.compressor != "none":
-            codec = codecs.create(config.compressor, threshold=config.threshold,
-                                  **config.codec_options)
+        codec = make_codec(config)
         threshold = config.comm_threshold
         if threshold == "auto":
-            notice.tell("slimgc: the device path has no CTTab warm-up yet: every tensor is "
+            notice.tell("the device path has no CTTab warm-up yet: every tensor is "
                         "compressed (comm_threshold=BYTES sends smaller tensors in full "
                         "precision)", once=True)
             threshold = 0
@@ -124,14 +127,13 @@ class DevicePath:
             raise ValueError("comm_threshold=%r: the device path takes a size in bytes or "
                              "'off' (a saved CTTab decision is the host path's)" % (threshold,))
         cap = float(BUCKET_CAP_MB if cap_mb is None else cap_mb) * 2 ** 20
-        self.specs = plan_buckets(named, group_of, codec, threshold, cap)
         self.buckets = [Bucket(s, named, optimizer,
-                                codec.clone() if (codec is not None and s.compressed) else None,
-                                self.num_workers) for s in self.specs]
+                               codec.clone() if (codec is not None and s.compressed) else None,
+                               self.num_workers)
+                        for s in plan_buckets(named, group_of, codec, threshold, cap)]
         device = named[0][1].device
-        self._rider_slots = Rider([0], self.num_workers).slots(np.float64).size
         # the tail: each bucket's NaN/Inf flag, the overlap check, the settings rider
-        n_tail = len(self.buckets) + 1 + self._rider_slots
+        n_tail = len(self.buckets) + 1 + Rider([0], self.num_workers).slots(np.float64).size
         self.tail = torch.zeros(n_tail, dtype=torch.float64, device=device)
         self.tail_host = torch.zeros(n_tail, dtype=torch.float64,
                                      pin_memory=device.type == "cuda")
@@ -150,7 +152,6 @@ class DevicePath:
         self._handles = []
         self._names = [n for n, _ in named]
         self._step_open = False  # this step's deferred global updates are done (backup)
-        self._backup = config.backup
         self.error = None  # a NaN/Inf sum found: raised by every later call
         self.blocked_s = 0.0  # waiting for sums on the host
         self.bytes_pushed = 0
@@ -218,11 +219,7 @@ class DevicePath:
         say (GradScaler's unscale writes .grad without marking it): buckets start in step()
         from now on; if backward has started some already, every rank raises here alike."""
         if self.overlap == "on":
-            self.error = ("step %d: %s, after backward had sent the buckets; no global weight "
-                          "was written from this step: build the DistributedOptimizer with "
-                          "overlap=False" % (self.step_count, why))
-            self._error_kind = RuntimeError
-            self.raise_error()
+            self._overlap_error(self.step_count, why)
         if self.overlap in ("watch", "deciding"):
             self.overlap = "off"
             notice.tell("the device path starts its buckets in step(), not during backward: "
@@ -248,25 +245,26 @@ class DevicePath:
     def _start(self, j, grads, local_scale=None):
         """Bucket j's pass: (the step's first) the deferred global updates; the local update;
         the encode; its sum started."""
+        backup = self.config.backup
         if not self._step_open:
             self.raise_error()
-            if self._backup:
+            if backup:
                 self.finish_pending()
             self._step_open = True
         b = self.buckets[j]
         b.settings(self.optimizer.param_groups[b.spec.group])
-        if self._backup:
+        if backup:
             b.local_step(grads if local_scale is None else [g * local_scale for g in grads])
         b.encode(grads, self.num_workers, self.tail[j])
         b.work = self._sum(b.lanes)
         b.step = self.step_count
 
-    def step(self, grads_of, backup, clip=None):
+    def step(self, grads_of, clip=None):
         """One step: grads_of[i] is parameter i's gradient (model order). clip: (max_norm,
         norm_type, local_scale) of slimgc.clip_grad_norm_: the mean gradient clipped by its
         norm before the global update, the local update's gradient scaled by local_scale.
         The buckets backward started are checked, the others started here."""
-        self._backup = backup
+        backup = self.config.backup
         local_scale = clip[2] if clip is not None else None
         self.raise_error()
         started = self._next if self.overlap == "on" else 0
@@ -420,12 +418,26 @@ class DevicePath:
                         "%s (rank %s)" % (why, ranks), once=True)
             return
         if self.overlap == "on":
-            self.error = ("step %d: %s (rank %s), after backward had sent it; buckets start "
-                          "during backward since the first step showed none of this, and no "
-                          "global weight was written from this step: build the "
-                          "DistributedOptimizer with overlap=False" % (step, why, ranks))
-            self._error_kind = RuntimeError
-            self.raise_error()
+            self._overlap_error(step, "%s (rank %s)" % (why, ranks))
+
+    def _overlap_error(self, step, why):
+        """Raise, now and at every later call, that step `step` went wrong after backward
+        had started its buckets (`why`); nothing of it was written."""
+        self.error = ("step %d: %s, after backward had sent it; buckets start during backward "
+                      "since the first step showed none of this, and no global weight was "
+                      "written from this step: build the DistributedOptimizer with "
+                      "overlap=False" % (step, why))
+        self._error_kind = RuntimeError
+        self.raise_error()
+
+    def describe(self):
+        """Where the step runs and its state lives, as the optimizer says it at start."""
+        return ("data path: device: glo_buf, the optimizer's state and the residuals stay on "
+                "%s, %d buckets (%d compressed) summed over %s%s" % (
+                    self.buckets[0].glo.device, len(self.buckets),
+                    sum(b.codec is not None for b in self.buckets),
+                    "NCCL" if self._nccl else "Gloo" if self.group is not None else "no group",
+                    "" if self.overlap != "off" else ", started in step()"))
 
     def _ranks(self, value):
         """The ranks a summed slot of 2**rank names."""

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import codecs, env, notice
+from .. import env, notice
 from ..engine import agreement, checkpoint
 from ..engine.aggregator import Aggregator
 from ..engine.planner import check_momentum
@@ -187,13 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _where_state_lives(self):
         """Where a CUDA model's step runs and its state lives, said once at start."""
         if self._device is not None:
-            d = self._device
-            return ("data path: device: glo_buf, the optimizer's state and the residuals stay "
-                    "on %s, %d buckets (%d compressed) summed over %s%s" % (
-                        d.buckets[0].glo.device, len(d.buckets),
-                        sum(b.codec is not None for b in d.buckets),
-                        "NCCL" if d._nccl else "Gloo" if d.group is not None else "no group",
-                        "" if d.overlap != "off" else ", started in step()"))
+            return self._device.describe()
         return ("data path: host: gradients copied to pinned host memory, glo_buf and the "
                 "optimizer's state offloaded there, the codecs on the CPU (offload=%r)"
                 % (self._config.offload,))
@@ -216,10 +210,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _device_path(self, optimizer, named, group_of, config, transport, distributed, cuda,
                      cap_mb, overlap):
         """device_path.DevicePath over these parameters, once the ranks agree on it."""
-        if config.compressor != "none":
-            momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
-            check_momentum(codecs.create(config.compressor, **config.codec_options), momentum,
-                           "compression=%r, momentum=%r")
+        momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
+        check_momentum(device_path.make_codec(config), momentum, "compression=%r, momentum=%r")
         if transport.num_workers > 1:
             agreement.check(transport, dict(
                 config.agreement_fields(), num_workers=transport.num_workers,
@@ -358,7 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._check.start(step, StepSettings.of(self._inner))
         try:
             if device is not None:
-                device.step(grads, self._config.backup, clip)
+                device.step(grads, clip)
             elif clip is not None:
                 self._clipped_pushes(grads, *clip)
             else:  # every key pushed before any waits: fused buckets travel whole
