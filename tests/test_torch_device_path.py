@@ -134,6 +134,18 @@ def test_the_choice_of_path_is_made_in_one_place_and_refuses_with_the_fix():
         device_path.choose("gpu", config, sgd, cuda=True)
 
 
+def test_bad_bucket_cap_or_overlap_is_refused_naming_it():
+    import slimgc_mx.torch as slimgc
+    net = torch.nn.Linear(2, 2)
+    for bad in (0, -1.0, float("nan"), "25", True):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
+            slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                        data_path="device", bucket_cap_mb=bad)
+    with pytest.raises(TypeError, match="overlap must be True"):
+        slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                    data_path="device", overlap="yes")
+
+
 def test_one_process_without_torch_distributed_matches_plain_torch():
     """A world of one without torch.distributed: the device path is torch's own optimizer
     on the summed (here: own) gradient, so full precision gives plain SGD's weights."""

@@ -142,6 +142,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "them a second time); use model.module")
         if not isinstance(model, torch.nn.Module):
             raise TypeError("model must be a torch.nn.Module, got %s" % type(model).__name__)
+        if not (isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+                and 0 < bucket_cap_mb < float("inf")):
+            raise ValueError("bucket_cap_mb must be a positive number of MiB (DDP's meaning; "
+                             "default %g), got %r" % (device_path.BUCKET_CAP_MB, bucket_cap_mb))
+        if not isinstance(overlap, bool):
+            raise TypeError("overlap must be True (buckets start during backward) or False "
+                            "(in step()), got %r" % (overlap,))
         settings = _split_options(dict(options, compressor=compression))
         config = SlimGCConfig.from_sources(settings, None, SOURCE)
         config.validate()
