@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from slimgc_mx.engine.cttab import CTTab, NEVER, fit_link, format_bytes
+from slimgc_mx.engine.cttab import CTTab, NEVER, SAMPLES_PER_SIZE, fit_link, format_bytes
 
 
 def _row(size, t_c, t_q, tensors=1):
@@ -119,6 +119,21 @@ def test_build_keeps_each_keys_fastest_transfer_and_groups_equal_sizes():
     assert r["t_c"] == pytest.approx((1.0 + 3.0) / 2)
     assert r["t_q"] == pytest.approx(0.6)
     assert r["ratio"] == pytest.approx(2.0 / 0.6)
+
+
+def test_the_warmup_times_a_few_keys_of_each_size_and_weighs_rows_by_all():
+    tab = CTTab("auto", warmup_steps=4)
+    for key in range(7):  # five tensors of 400 bytes, two of 800
+        tab.declare(key, 400 if key < 5 else 800)
+    timed = [k for k in range(7) if tab.timed(k)]
+    assert timed == list(range(SAMPLES_PER_SIZE)) + [5, 6][:SAMPLES_PER_SIZE]
+    for key in timed:
+        size = 400 if key < 5 else 800
+        tab.record(key, size, False, 2.0)
+        tab.record(key, size, True, 0.5, 0.1)
+    rows = tab.build()
+    assert [(r["size"], r["tensors"]) for r in rows] == [(400, 5), (800, 2)]
+    assert rows[0]["t_c"] == pytest.approx(2.0) and rows[0]["t_q"] == pytest.approx(0.6)
 
 
 def test_adopt_switches_routing_and_outputs(tmp_path):

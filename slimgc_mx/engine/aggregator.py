@@ -312,7 +312,9 @@ class Aggregator:
 
     # -- collective decisions --------------------------------------------------------------
     def decide_threshold(self):
-        """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT."""
+        """End of warm-up: rank 0 builds the CTTab and every worker adopts its BestCT; the
+        warm-up's buckets give way to the final routes'."""
+        self.send_pending()
         self.pipeline.wait_idle(self.config.timeout)
         mine = self.cttab.decide()
         sizes = self.planner.compressible_sizes() if self.cttab.places else []
@@ -322,6 +324,7 @@ class Aggregator:
         placement = {size: "device" for size, vote in zip(sizes, votes[0, 1:]) if vote > 0}
         self.cttab.adopt(NEVER if chosen < 0 else int(chosen),
                          placement if self.cttab.places else None)
+        self.planner.end_warmup()
         self._tell_routes()
 
     def _tell_routes(self):

@@ -1,8 +1,12 @@
 """CTTab, the communication threshold table (SlimGC Strategy 1, Algorithms 1 and 2).
 
-Warm-up: every key alternates compressed (even steps) and full-precision (odd
-steps) transfers; each transfer's time is recorded, and each key keeps its fastest. The table then gives per
-tensor size t_c, t_c^q, t_p^q and the benefit ratio t_c / (t_c^q + t_p^q), and
+Warm-up: the first SAMPLES_PER_SIZE keys of each tensor size alternate compressed (even
+steps) and full-precision (odd steps) transfers, each sent alone; each transfer's time is
+recorded, and each key keeps its fastest. The table is per size, so the other keys of a
+size are not timed: they travel in full precision, fused (the planner's warm-up buckets),
+and a model of many same-sized tensors does not pay one timed transfer per tensor per
+step. The table then gives per tensor size t_c, t_c^q, t_p^q and the benefit ratio
+t_c / (t_c^q + t_p^q), weighted by how many tensors have that size, and
 BestCT is the threshold from which compression pays. Afterwards the router sends
 size < BestCT in full precision and the rest compressed.
 
@@ -34,6 +38,9 @@ log = logging.getLogger(__name__)
 
 NEVER = math.inf  # BestCT when compression never pays: every tensor goes full precision
 
+#: Keys of one size timed by the warm-up (their fastest transfers are averaged).
+SAMPLES_PER_SIZE = 2
+
 
 class CTTab:
     """The router and its two phases: 'warmup' (measuring) -> 'trained' (fixed BestCT).
@@ -55,6 +62,8 @@ class CTTab:
         self.rule = rule
         self.margin = margin
         self._samples = {}  # key -> {"nbytes", "wire_q", "fp": [t_c..], "q": [t_c^q..], "proc": [t_p^q..]}
+        self._tensors = {}  # size -> compressible tensors of that size (declare())
+        self._timed = set()  # the keys the warm-up times: SAMPLES_PER_SIZE per size
         self.rows = []
         self.link = None  # the fitted {"latency_s", "bandwidth_Bps"} once the table is built
         self.reason = None  # one sentence: why best_ct is what it is
@@ -73,6 +82,18 @@ class CTTab:
             self.best_ct = 0 if mode == "off" else mode
             self.reason = ("comm_threshold=off: every tensor compressed" if mode == "off" else
                            "fixed by comm_threshold=%s" % (format_bytes(mode),))
+
+    def declare(self, key, nbytes):
+        """A compressible tensor of `nbytes` (key: the planner's index); the first
+        SAMPLES_PER_SIZE of each size are the ones the warm-up times."""
+        count = self._tensors.get(nbytes, 0)
+        self._tensors[nbytes] = count + 1
+        if count < SAMPLES_PER_SIZE:
+            self._timed.add(key)
+
+    def timed(self, key):
+        """Whether the warm-up times key `key` (routes it); the others go full precision."""
+        return key in self._timed
 
     def compressed(self, nbytes, step):
         """Route of one transfer: True for bit_buf (compressed), False for fp_buf."""
@@ -143,7 +164,8 @@ class CTTab:
             t_pq = min(host, device)
             t_q = t_cq + t_pq
             wire_q = entries[0][4]
-            row = {"size": nbytes, "tensors": len(entries), "wire_q": wire_q, "t_c": t_c,
+            tensors = max(self._tensors.get(nbytes, 0), len(entries))
+            row = {"size": nbytes, "tensors": tensors, "wire_q": wire_q, "t_c": t_c,
                    "t_c_q": t_cq, "t_p_q": t_pq, "t_q": t_q,
                    "ratio": t_c / t_q if t_q > 0 else math.inf}
             if self.places:  # t_p^q measured twice: the row takes the faster place

@@ -225,6 +225,8 @@ class Planner:
             codec.seed = key_seed(self.config.seed, index)
         b = KeyBuffers(index, shape, codec, self.transport.num_workers, self._make_buffer,
                        wire=self.transport.keys.per_key(index), lanes32=self.lanes32)
+        if codec is not None:
+            self.cttab.declare(index, b.nbytes)
         if codec is not None and self.config.offload is False:
             b.device = self._device_codec(codec)
         elif codec is not None and self.cttab.places:
@@ -250,8 +252,11 @@ class Planner:
 
     # -- routes ----------------------------------------------------------------------------
     def compressed(self, b, step):
-        """The CTTab's route of key buffers `b` at `step`: True for bit_buf."""
-        return b.codec is not None and self.cttab.compressed(b.nbytes, step)
+        """The CTTab's route of key buffers `b` at `step`: True for bit_buf (in the warm-up,
+        only for the keys it times)."""
+        if b.codec is None or (self.cttab.phase == "warmup" and not self.cttab.timed(b.index)):
+            return False
+        return self.cttab.compressed(b.nbytes, step)
 
     def place(self, b, step):
         """offload='auto': set b.device for `step` to where the CTTab encodes the key (its
@@ -372,19 +377,30 @@ class Planner:
 
         It is built at the first push of a step after the first, so that its members
         are the keys the job pushes (gluon.Trainer also initializes keys it never
-        pushes, such as BatchNorm's running statistics).
+        pushes, such as BatchNorm's running statistics). In the CTTab's warm-up it holds
+        the keys the warm-up does not time; end_warmup() drops it for the final one.
         """
         if self.fused is None:
-            if not self.config.fuse or self.cttab.phase == "warmup" or self.steps[key] == 0:
+            if not self.config.fuse or self.steps[key] == 0:
                 return None
-            self.fused = self._build_fused()
+            self.fused = self._build_fused(warmup=self.cttab.phase == "warmup")
         return self.fused.bucket(key) if key in self.fused else None
 
-    def _build_fused(self):
+    def end_warmup(self):
+        """The CTTab has decided: the warm-up's buckets give way to the final routes' (built
+        at the next push; every bucket was sent and its transfer finished)."""
+        self.fused = None
+
+    def _build_fused(self, warmup=False):
         """Collect every full-precision key, and the compressed keys below the fuse limit,
-        into buckets (collective: declares wire keys)."""
-        members = {k: self.keys[k] for k in self.full_precision_keys()}
-        limit = self.fuse_limit()
+        into buckets (collective: declares wire keys). warmup: every key pushed that the
+        CTTab does not time, in full precision."""
+        if warmup:
+            members = {k: b for k, b in self.keys.items() if self.steps[k] > 0
+                       and not (b.codec is not None and self.cttab.timed(b.index))}
+        else:
+            members = {k: self.keys[k] for k in self.full_precision_keys()}
+        limit = 0 if warmup else self.fuse_limit()
         small = {k: b for k, b in self.keys.items() if k not in members and self.steps[k] > 0
                  and b.codec is not None and b.device is None and b.device_codec is None
                  and b.nbytes < limit
@@ -402,8 +418,8 @@ class Planner:
                            make_codec, self.lanes32)
         self.fused = route
         self._apply_bucket_state()
-        text = "slimgc: %d full-precision keys fused into %d transfer(s) of %s bytes" % (
-            len(members), sum(b.codec is None for b in route.buckets),
+        text = "slimgc: %d full-precision keys fused%s into %d transfer(s) of %s bytes" % (
+            len(members), " for the CTTab's warm-up" if warmup else "", sum(b.codec is None for b in route.buckets),
             [b.nbytes for b in route.buckets if b.codec is None])
         if self.fuses_compressed():
             text += "; %d compressed keys below %d bytes into %d" % (
@@ -438,7 +454,8 @@ class Planner:
 
     def refuse_stale_buckets(self):
         """After a checkpoint with another BestCT: rebuild the buckets (new wire keys)."""
-        if self.fused is not None and self.fused.keys != self.full_precision_keys():
+        if self.fused is not None and self.cttab.phase != "warmup" and \
+                self.fused.keys != self.full_precision_keys():
             self.fused = None  # (compressed buckets are rebuilt with it)
 
     # -- checkpoints -----------------------------------------------------------------------
