@@ -183,6 +183,8 @@ class ModelBackup:
     def wait_version(self, key, version):
         """Block until glo_buf of `key` holds w_version; raise on pipeline failure or timeout."""
         slot = self._slots[key]
+        if slot.version >= version and self._error is None:
+            return  # published already (versions only grow while this thread waits)
         start = time.perf_counter()
         with self._cond:
             ok = self._cond.wait_for(lambda: slot.version >= version or self._error is not None,

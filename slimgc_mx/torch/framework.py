@@ -35,7 +35,9 @@ def host_buffer(shape, copies=None, dtype=np.float32):
 
 def tensor_of(buf, shape=None):
     """The torch tensor over a HostArray's memory (no copy), in `shape` (default its own)."""
-    return torch.from_numpy(buf.for_read()).view(shape if shape is not None else buf.shape)
+    flat = torch.from_numpy(buf.for_read())
+    shape = shape if shape is not None else buf.shape
+    return flat if shape == (-1,) or tuple(shape) == tuple(flat.shape) else flat.view(shape)
 
 
 class TorchArrays:
@@ -62,7 +64,7 @@ class TorchArrays:
             if self.copies is not None and self.copies.crosses_to_device(src, dst):
                 self.copies.to_device(src, dst)
             else:
-                dst.copy_(src.view(dst.shape))
+                dst.copy_(src if src.shape == dst.shape else src.view(dst.shape))
 
     def hold(self, buf):
         raise RuntimeError("torch arrays have no engine to hold a writer in (can_hold is False)")
@@ -107,9 +109,15 @@ class TorchUpdate:
         self._scratch = {}  # index -> the local step's copies of the global state tensors
         self._pending_states = {}  # index -> a checkpoint's state, loaded at first use
         self.check = None  # a step_check.StepSettingsCheck, verified before each update
+        self.held = None  # the StepSettings of the step being pushed (hold())
 
     def settings(self, index):
-        return StepSettings.of(self.optimizer)
+        return self.held if self.held is not None else StepSettings.of(self.optimizer)
+
+    def hold(self, settings):
+        """The settings every push of the step now pushed carries (read once per step, not
+        once per key: no user code runs between a step's pushes); None when it is pushed."""
+        self.held = settings
 
     def decodes_in_update(self, buffers):
         """True when torch.optim.SGD's kernel runs the update, which decodes a sum inside
@@ -153,14 +161,18 @@ class TorchUpdate:
     def __call__(self, transfer, table, glos):
         if self.check is not None and self.check.differs(transfer.step):
             return  # no global weight of a step the ranks disagree on; step() raises
+        kernels = {}  # param group -> its kernel: one per group, not per key of a bucket
         for push, glo in zip(transfer.pushes, glos):
             b = push.buffers
             opt = self.shadow(b.index, glo)
-            group = transfer.settings.groups[self._group_of[b.index]]
-            opt.param_groups[0].update(dict(group))
+            g = self._group_of[b.index]
+            group = transfer.settings.groups[g]
+            opt.param_groups[0].update(group)
             weight = opt.param_groups[0]["params"][0]
             self._wait_readers(glo, opt.state[weight])
-            kernel = self._kernel(group, self._num_workers)
+            if g not in kernels:
+                kernels[g] = self._kernel(group, self._num_workers)
+            kernel = kernels[g]
             if kernel is not None:
                 self._kernel_step(kernel, opt, b, glo, transfer, table)
                 continue
@@ -458,7 +470,7 @@ class TorchFramework:
             return grad, grad
         dst = tensor_of(b.grad_buf, (-1,))
         if not self.device:
-            dst.copy_(grad.reshape(-1))
+            dst.copy_(grad if grad.dim() == 1 else grad.reshape(-1))
             return grad, grad
         self.readiness.copied(b.grad_buf, self.copies.to_host(grad, dst))
         return grad, grad

@@ -353,9 +353,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._counts().host_syncs += 1
             if self._transport.any(mine) if self._transport.num_workers > 1 else mine:
                 return loss  # skipped alike on every rank; GradScaler lowers its scale
+        settings = StepSettings.of(self._inner)
         if self._check is not None:
-            self._check.start(step, StepSettings.of(self._inner))
+            self._check.start(step, settings)
+        update = self._agg.update if device is None else None
         try:
+            if update is not None:
+                update.hold(settings)
             if device is not None:
                 device.step(grads, clip)
             elif clip is not None:
@@ -369,6 +373,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._check is not None:
                 self._check.drop(step)
             raise
+        finally:
+            if update is not None:
+                update.hold(None)
         self._inner._opt_called = True  # what an LR scheduler built on it looks for
         return loss
 
