@@ -161,7 +161,7 @@ class QSGDReference(LaneReference, QSGD):
         sq = c.astype(np.float64) ** 2
         partials = np.zeros((nb, PARTIALS), np.float64)
         e = np.arange(n)
-        if self.bucket >= PARTIALS:
+        if nb and self.bucket >= PARTIALS:  # (no bucket: no norm; reshape refuses (0, -1))
             padded = np.zeros(nb * self.bucket, np.float64)
             padded[:n] = sq
             partials[...] = np.cumsum(padded.reshape(nb, -1, PARTIALS), axis=1)[:, -1]
