@@ -92,9 +92,14 @@ def test_a_setting_changed_on_one_rank_stops_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_run_continues_bit_for_bit(tmp_path):
+    """2bit, and terngrad, whose scale the device keeps: the checkpoint reads it back."""
     for r in job(tmp_path, "resume"):
-        assert r["params"][0] == r["params"][1]
-        assert r["flushed"][0] == r["flushed"][1]
+        for compression in ("2bit", "terngrad"):
+            got = r[compression]
+            assert got["params"][0] == got["params"][1], compression
+            assert got["flushed"][0] == got["flushed"][1], compression
+        scales = r["terngrad"]["scales"]
+        assert len(scales) == 5 and all(s > 0 for s in scales), scales
 
 
 def _named(*sizes):

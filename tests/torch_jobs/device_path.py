@@ -11,7 +11,7 @@ and itself resumed; each rank records what it found.
     device_path.py OUT overlap    buckets started in backward against in step() (backup on
                                   and off, none and 2bit), and with accumulation
     device_path.py OUT resume     state_dict at step 5, resumed in a new optimizer: the
-                                  weights at step 10 of both runs
+                                  weights at step 10 of both runs (2bit, terngrad)
 """
 import sys
 
@@ -147,9 +147,9 @@ elif mode == "settings":
     record(out, "settings", rank, error=error_of(hook=change))
 
 elif mode == "resume":
-    def run(stop, state=None):
+    def run(stop, state=None, compression="2bit"):
         net = model()
-        opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression="2bit",
+        opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression=compression,
                                           data_path="device", comm_threshold=1024)
         start = 0
         if state is not None:
@@ -168,7 +168,14 @@ elif mode == "resume":
         flushed = weights(net).clone()
         opt.close()
         return params, flushed, saved
-    p1, f1, state = run(10)
-    p2, f2, _ = run(10, state)
-    record(out, "resume", rank, params=[digest(p1), digest(p2)], flushed=[digest(f1), digest(f2)])
+    result = {}
+    for compression in ("2bit", "terngrad"):  # terngrad: its scale kept on the device
+        p1, f1, state = run(10, compression=compression)
+        p2, f2, _ = run(10, state, compression=compression)
+        result[compression] = dict(params=[digest(p1), digest(p2)],
+                                   flushed=[digest(f1), digest(f2)],
+                                   scales=[b["codec"]["scale"] for b in state["device_path"][
+                                       "buckets"] if b["codec"]] if compression == "terngrad"
+                                   else [])
+    record(out, "resume", rank, **result)
 dist.destroy_process_group()
