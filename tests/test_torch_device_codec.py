@@ -4,6 +4,7 @@ device; the key API with the residual kept on the device; NaN policy; input erro
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ torch = pytest.importorskip("torch")
 
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.codecs import fourbit  # noqa: E402
+from slimgc_mx.codecs.layout import CHUNK_LANES  # noqa: E402
+from slimgc_mx.codecs.rng import key_seed  # noqa: E402
 from slimgc_mx.torch.device import TorchDeviceCodec, benchmark  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,6 +124,143 @@ def test_bitwise_equal_to_cython(name, n_workers, device):
     rng = np.random.default_rng([LANE_CODECS.index(name), n_workers])
     for shape in shapes_for(codecs.create(name), n_workers, rng):
         run_workers(name, shape, n_workers, 2 if np.prod(shape) > 10000 else 4, rng, device)
+
+
+#: The codecs with gathered values, each with option sets that reach its other branches:
+#: terngrad without clipping and with error feedback; qsgd with buckets below 8 elements and
+#: levels not a power of two, and s = 1; thc rotated, and with the most levels.
+GATHERED = {
+    "terngrad": [{}, {"clip_sigma": 0.0},
+                 {"clip_sigma": 1.0, "error_feedback": True, "allow_unbiased_feedback": True}],
+    "qsgd": [{}, {"bucket_size": 4, "levels": 3}, {"bucket_size": 8, "levels": 1}],
+    "thc": [{}, {"hadamard": True, "granularity": 5}, {"granularity": 65536}],
+}
+
+
+def gathered_sizes(codec, n_workers):
+    """0, 1, odd sizes, sizes around the lane packing k and past one kernel chunk (the
+    statistics' sums run chunk by chunk), a power of two and one past it (thc's padding)."""
+    _, k = codec.geometry(n_workers)
+    return sorted({0, 1, 7, max(1, k - 1), k, k + 1, 3 * k + 2, 4096, 4097,
+                   CHUNK_LANES * k + 5})
+
+
+def make_three(name, options, key=3):
+    """The Cython codec, its NumPy reference and the torch device codec, keyed alike."""
+    with warnings.catch_warnings():  # error_feedback=true with the override: warned once
+        warnings.simplefilter("ignore", UserWarning)
+        made = [codecs.create(name, num_threads=1, **options),
+                codecs.create(name, reference=True, **options), codecs.create(name, **options)]
+    for c in made:
+        c.seed = key_seed(11, key)
+    return made[0], made[1], TorchDeviceCodec(made[2])
+
+
+def run_gathered(name, options, size, n_workers, steps, rng, device):
+    """N workers' pushes through the three implementations: every lane (the gathered slots
+    included), residual and decoded sum bitwise the same, the states equal after each step.
+    The torch codec's decode alternates between keeping the state on the device
+    (checked=False) and reading it to the host (checked=True); its state is compared at
+    the end, so that the pushes between use the state the device kept."""
+    workers = [make_three(name, options) for _ in range(n_workers)]
+    res = [[np.zeros(size, np.float32), np.zeros(size, np.float32),
+            torch.zeros(size, dtype=torch.float32, device=device)] for _ in range(n_workers)]
+    for step in range(steps):
+        scale = STEP_SCALES[step % len(STEP_SCALES)]
+        total = None
+        for w, (cy, ref, dev) in enumerate(workers):
+            g = (scale * rng.standard_normal(size)).astype(np.float32)
+            g[rng.random(size) < 0.05] = 0.0
+            what = "%s %s N=%d size=%d step=%d worker=%d" % (name, options, n_workers, size,
+                                                              step, w)
+            lanes = cy.encode(g, res[w][0], n_workers, rank=w)
+            assert_same(ref.encode(g, res[w][1], n_workers, rank=w), lanes, "reference " + what)
+            out = torch.full(lanes.shape, np.nan, dtype=torch.float64, device=device)
+            dev.encode(torch.from_numpy(g).to(device), res[w][2], n_workers, out, rank=w)
+            assert_same(out, lanes, "lanes " + what)
+            assert_same(res[w][1], res[w][0], "reference residual " + what)
+            assert_same(res[w][2], res[w][0], "residual " + what)
+            total = lanes.copy() if total is None else total + lanes
+        for w, (cy, ref, dev) in enumerate(workers):
+            what = "%s %s N=%d size=%d step=%d worker=%d" % (name, options, n_workers, size,
+                                                              step, w)
+            decoded = cy.decode(total, size, n_workers)
+            assert_same(ref.decode(total, size, n_workers), decoded, "reference decoded " + what)
+            out = torch.full((size,), np.nan, dtype=torch.float32, device=device)
+            dev.decode(torch.from_numpy(total).to(device), size, n_workers, out,
+                       checked=bool((step + w) % 2))
+            assert_same(out, decoded, "decoded " + what)
+            assert ref.state_dict() == cy.state_dict(), what
+    for cy, _, dev in workers:  # (read back only now: the pushes used the device's state)
+        assert dev.state_dict() == cy.state_dict()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 5])
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_gathered_codecs_bitwise_equal_to_cython_and_reference(name, n_workers, device):
+    rng = np.random.default_rng([sorted(GATHERED).index(name), n_workers])
+    for options in GATHERED[name]:
+        for size in gathered_sizes(make_three(name, options)[0], n_workers):
+            run_gathered(name, options, size, n_workers, 4 if size < 10000 else 3, rng, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gathered_state_stays_on_the_device_until_state_dict(device):
+    """decode(checked=False) leaves the codec's host state behind (no host read) and the
+    next encode uses the device's; state_dict() reads it back, load_state_dict() replaces
+    it: the pushes after a reload are the Cython codec's."""
+    rng = np.random.default_rng(8)
+    size, n_workers = 3000, 2
+    for name in sorted(GATHERED):
+        cy, _, dev = make_three(name, {})
+        res_cy = np.zeros(size, np.float32)
+        res_dev = torch.zeros(size, device=device)
+        for step in range(3):
+            g = rng.standard_normal(size).astype(np.float32)
+            lanes = cy.encode(g, res_cy, n_workers)
+            out = torch.zeros(lanes.shape, dtype=torch.float64, device=device)
+            dev.encode(torch.from_numpy(g).to(device), res_dev, n_workers, out)
+            assert_same(out, lanes, "%s step %d" % (name, step))
+            total = lanes * n_workers
+            cy.decode(total, size, n_workers)
+            dev.decode(torch.from_numpy(total).to(device), size, n_workers,
+                       torch.zeros(size, device=device), checked=False)
+            assert dev.codec.pushes == cy.pushes
+        host = dev.codec.state_dict()
+        assert host != cy.state_dict(), name  # the host copy is the first push's
+        state = dev.state_dict()
+        assert state == cy.state_dict() == dev.codec.state_dict(), name
+        fresh = TorchDeviceCodec(codecs.create(name))
+        fresh.load_state_dict(state)
+        g = rng.standard_normal(size).astype(np.float32)
+        lanes = cy.encode(g, res_cy, n_workers)
+        out = torch.zeros(lanes.shape, dtype=torch.float64, device=device)
+        fresh.encode(torch.from_numpy(g).to(device), res_dev, n_workers, out)
+        assert_same(out, lanes, "%s after load_state_dict" % name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_rng_and_the_ordered_sums_are_the_kernels(device):
+    """TorchOps.uniform is rng.uniform (and the kernels') bit for bit, seeds beyond 2**63
+    included; chunk_sums adds as chunk_sum does, values over many magnitudes (where the
+    order of the additions shows), one chunk and several."""
+    from slimgc_mx.codecs import rng as codec_rng
+    from slimgc_mx.codecs.base import kernels
+    from slimgc_mx.codecs.lanes import ConstCache, chunk_sum
+    from slimgc_mx.torch.device import TorchOps
+    ops = TorchOps(ConstCache(), torch.device(device))
+    for seed in (0, 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 0x9E3779B97F4A7C15):
+        for count in (0, 1, 2, 7, 1000):
+            got = host(ops.uniform(seed, count))
+            assert_same(got, codec_rng.uniform(seed, 0, count), "seed %d count %d" % (seed, count))
+            assert_same(got, kernels().uniforms(seed, 0, count), "kernel %d" % seed)
+    gen = np.random.default_rng(2)
+    for n, k in ((1, 5), (5000, 3), (3 * CHUNK_LANES * 7 + 11, 7)):
+        v = gen.standard_normal(n) * np.exp(10 * gen.standard_normal(n))
+        t = torch.from_numpy(v).to(device)
+        got = host(ops.chunk_sums(torch.stack([t, t * t], 1), k))
+        assert_same(got, np.array([chunk_sum(v, k), chunk_sum(v * v, k)]), "n=%d" % n)
 
 
 @pytest.mark.parametrize("device", DEVICES)
