@@ -68,18 +68,19 @@ class TernGrad(UnbiasedFeedback, SharedScale, LaneCodec):
 
     # ------------------------------------------------------------ device path (DeviceOps)
     def device_state(self, size, ops):
-        """The scale s, a float32 0-dim array."""
-        return ops.array(np.float32(self.scale), "float32")
+        """The scale, a float64 0-dim array: decode multiplies by it, encode by its float32
+        value (as _affine and the kernel do; they differ only for a loaded scale)."""
+        return ops.array(self.scale, "float64")
 
     def device_levels(self, c, ops):
-        s = ops.state
+        s = ops.float32(ops.state)
         inv = ops.where(s > 0, ops.divide(1.0, s), 0.0)
         x = ops.minimum(ops.abs(c), s) * inv
         d = ops.level(ops.uniform(self.push_seed(), c.shape[0]) < x)
         return ops.where(c < 0.0, 1 - d, 1 + d)
 
     def device_sent(self, c, q, ops):
-        s = ops.state
+        s = ops.float32(ops.state)
         if not self.option_values["error_feedback"]:  # what the scale clipped, no noise
             return ops.copysign(ops.minimum(ops.abs(c), s), c)
         return s * ops.float32(q - 1)
@@ -97,13 +98,13 @@ class TernGrad(UnbiasedFeedback, SharedScale, LaneCodec):
         return ops.float64(ops.float32(top)).reshape(1)
 
     def device_agree(self, gathered, ops):
-        return ops.float32(ops.max(gathered[:, 0]))
+        return ops.float64(ops.float32(ops.max(gathered[:, 0])))
 
     def device_values(self, d, num_workers, ops):
-        return ops.float32(ops.float64(d - num_workers) * ops.float64(ops.state))
+        return ops.float32(ops.float64(d - num_workers) * ops.state)
 
     def adopt_device_state(self, state):
-        self.scale = float(np.float32(state))
+        self.scale = float(state)
 
 
 @register(reference=True)
