@@ -19,6 +19,8 @@ from slimgc_mx.torch.device import TorchDeviceCodec, benchmark  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANE_CODECS = ["1bit", "2bit", "4bit"]
+#: Every codec the torch codec serves: those above and the ones with gathered values.
+SERVED = LANE_CODECS + ["qsgd", "terngrad", "thc"]
 #: Gradient magnitude per step: 4bit crosses groups 3 -> 1 -> 2 -> 3 (Table 1).
 STEP_SCALES = [0.02, 0.3, 2.0, 0.05]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -296,7 +298,7 @@ class Key:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 def test_key_api_keeps_the_residual_on_the_device(name, device):
     """encode_key / decode_key as the aggregator and pipeline call them: lanes to the host
     bit_buf, the decoded sum to agg, the residual on the gradient's device (b.residual
@@ -340,7 +342,7 @@ def test_key_api_keeps_the_residual_on_the_device(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 @pytest.mark.parametrize("bad", ["nan", "inf", "sum"])
 def test_nonfinite_raises_before_touching(name, bad, device):
     dev = TorchDeviceCodec(codecs.create(name))
@@ -363,8 +365,39 @@ def test_nonfinite_raises_before_touching(name, bad, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", SERVED + ["thc_hadamard"])
+def test_the_flag_says_nonfinite_and_encodes_anyway(name, device):
+    """encode(flag=...): no error, the flag 1 where grad + residual (or thc's rotation of
+    finite values, which overflows) is not finite, else 0; the lanes written either way."""
+    options = {"hadamard": True} if name == "thc_hadamard" else {}
+    g = np.linspace(-1, 1, 1000).astype(np.float32)
+    cases = [("finite", g, 0.0)]
+    bad = g.copy()
+    bad[17] = np.nan
+    cases.append(("nan", bad, 1.0))
+    if options:  # finite, but their rotation's sums pass float32's largest value
+        big = g.copy()
+        big[:8] = 3e38
+        cases.append(("rotation", big, 1.0))
+        dev = TorchDeviceCodec(codecs.create("thc", **options))
+        with pytest.raises(codecs.NonFiniteGradientError, match="rotation"):
+            dev.encode(torch.from_numpy(big).to(device), torch.zeros(1000, device=device), 2,
+                       np.zeros(dev.codec.lane_count(1000, 2)))
+    for what, grad, want in cases:
+        dev = TorchDeviceCodec(codecs.create(name.split("_")[0], **options))
+        flag = torch.full((), 7.0, dtype=torch.float64, device=device)
+        out = torch.full((dev.codec.lane_count(1000, 2),), np.nan, dtype=torch.float64,
+                         device=device)
+        dev.encode(torch.from_numpy(grad).to(device), torch.zeros(1000, device=device), 2,
+                   out, flag=flag, rank=1)
+        assert float(flag) == want, (name, what)
+        if what == "finite":
+            assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_gradient(device):
-    for name in LANE_CODECS:
+    for name in SERVED:
         cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
         out = np.full(cy.lane_count(0, 2), 7.0)
         empty = torch.zeros(0, device=device)
@@ -377,7 +410,7 @@ def test_empty_gradient(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_huge_finite_values_are_not_rejected(device):
     rng = np.random.default_rng(4)
-    for name in LANE_CODECS:
+    for name in SERVED:
         cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
         g = rng.standard_normal(999).astype(np.float32)
         g[::7] = 3e38
@@ -392,16 +425,21 @@ def test_huge_finite_values_are_not_rejected(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 def test_decode_extreme_lanes(name, device):
     """Digit sums at 0 and R-1 everywhere (lanes up to R**k - 1 <= 2**53) decode exactly."""
     rng = np.random.default_rng(3)
     for n_workers in (1, 2, 5, 64):
         cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
-        if name == "1bit":
-            cy.scale = dev.codec.scale = 0.37  # a scale 0 would decode everything to 0
         radix, k = cy.geometry(n_workers)
         size = 50 * k - 3
+        state = cy.state_dict()  # a scale 0 would decode everything to 0
+        if name == "qsgd":
+            state["norms"] = [0.37 + j for j in range(cy.gathered_count(size))]
+        elif "scale" in state:  # (thc's must be a float32 value; terngrad's need not)
+            state["scale"] = float(np.float32(0.37)) if name == "thc" else 0.37
+        cy.load_state_dict(state)
+        dev.codec.load_state_dict(state)
         body = -(-size // k)
         digits = rng.integers(0, radix, (body, k))
         digits[0], digits[1] = radix - 1, 0
@@ -412,6 +450,7 @@ def test_decode_extreme_lanes(name, device):
         powers = [radix ** j for j in range(k)]
         lanes = [float(sum(int(d) * p for d, p in zip(row, powers))) for row in digits]
         lanes += [0.7 * n_workers] * cy.trailer_lanes
+        lanes += [0.5 + j for j in range(n_workers * cy.gathered_count(size))]
         lanes = np.array(lanes, dtype=np.float64)
         out = torch.zeros(size, device=device)
         dev.decode(torch.from_numpy(lanes).to(device), size, n_workers, out)
@@ -420,10 +459,13 @@ def test_decode_extreme_lanes(name, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_input_errors(device):
-    for name in ("none", "terngrad", "topk"):
+    for name in ("none", "topk", "randomk", "powersgd", "dgc", "gcomp"):
         with pytest.raises(ValueError, match="lane codecs with torch levels"):
             TorchDeviceCodec(codecs.create(name))
         assert not TorchDeviceCodec.supports(codecs.create(name))
+    for name in SERVED:
+        assert TorchDeviceCodec.supports(codecs.create(name)), name
+    assert TorchDeviceCodec.supports(codecs.create("thc", hadamard=True))
     dev = TorchDeviceCodec(codecs.create("2bit"))
     g, r = torch.zeros(10, device=device), torch.zeros(10, device=device)
     n_lanes = dev.codec.lane_count(10, 2)
@@ -467,7 +509,7 @@ def test_input_errors(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 def test_benchmark_gives_seconds_per_encode_and_decode(name, device):
     result = benchmark(name, 5003, device, repeats=2, warmup=1)
     assert sorted(result) == ["decode", "encode"]
