@@ -7,13 +7,18 @@ residual are bitwise those of the Cython kernels given the same state, so some k
 be compressed here and others on the CPU and the sums still decode exactly; the trailer
 lane (1bit's scale, 4bit's group) excepted, a float64 mean summed in another order. Each
 codec gives its levels once in DeviceOps (LaneCodec.device_levels, in the codec's own
-file), here TorchOps;
-this module compensates, feeds back, packs and unpacks. The codec instance holds the
-shared state; decode() updates it exactly like LaneCodec.decode().
+file), here TorchOps; a codec with gathered values (terngrad, qsgd, thc) gives its whole
+push there (LaneCodec.device_state ... device_agree), its gathered values bitwise the
+kernel's too (their sums added in the kernels' order, its random draws the kernels' RNG).
+This module compensates, feeds back, packs and unpacks. The codec instance holds the
+shared state; decode() updates it exactly like LaneCodec.decode() (a gathered codec's may
+stay on the device instead: TorchDeviceCodec).
 
 Host synchronisations: encode reads one value (is every grad + residual finite: the
-NaN/Inf policy must raise before residual or out is touched) and copies the lanes out;
-decode reads one (are the lanes in range) and copies the values out.
+NaN/Inf policy must raise before residual or out is touched; thc's rotation a second: is
+it finite) and copies the lanes out; decode reads one (are the lanes in range; the
+gathered values too) and copies the values out. With encode's `flag` and decode's
+checked=False (the device path) neither reads anything, 1bit's and 4bit's trailer apart.
 """
 import time
 import warnings
