@@ -12,7 +12,8 @@ push there (LaneCodec.device_state ... device_agree), its gathered values bitwis
 kernel's too (their sums added in the kernels' order, its random draws the kernels' RNG).
 This module compensates, feeds back, packs and unpacks. The codec instance holds the
 shared state; decode() updates it exactly like LaneCodec.decode() (a gathered codec's may
-stay on the device instead: TorchDeviceCodec).
+stay on the device instead: TorchDeviceCodec). randomk sends float32 values, not lanes:
+its device_encode and device_decode (codecs/randomk.py) run here alike.
 
 Host synchronisations: encode reads one value (is every grad + residual finite: the
 NaN/Inf policy must raise before residual or out is touched; thc's rotation a second: is
@@ -240,8 +241,8 @@ class TorchDeviceCodec:
         if not self.supports(codec):
             name = getattr(codec, "name", type(codec).__name__)
             raise ValueError("TorchDeviceCodec supports lane codecs with torch levels (1bit, "
-                             "2bit, 4bit, terngrad, qsgd, thc), got %r; compress it on the "
-                             "CPU (offload on)" % (name,))
+                             "2bit, 4bit, terngrad, qsgd, thc, randomk), got %r; compress it on "
+                             "the CPU (offload on)" % (name,))
         self.codec = codec
         self.copies = copies  # a device model's copies.Copies: encode_key's work counted
         self.residual = None  # the key's residual on a CUDA device (encode_key), or None
@@ -253,13 +254,19 @@ class TorchDeviceCodec:
 
     @staticmethod
     def supports(codec):
-        """True for a float64 lane codec with torch levels: its gathered values, if any,
-        agreed on the device (device_agree)."""
-        return (isinstance(codec, LaneCodec) and codec.levels is not None
-                and type(codec).device_levels is not LaneCodec.device_levels
-                and (not codec.gathered
-                     or type(codec).device_agree is not LaneCodec.device_agree)
-                and codec.rounds == 1 and codec.wire_dtype == np.float64)
+        """True for a float64 lane codec with torch levels (its gathered values, if any,
+        agreed on the device: device_agree), or a codec whose one summed round of values
+        has device_encode and device_decode (randomk)."""
+        if isinstance(codec, LaneCodec):
+            return (codec.levels is not None
+                    and type(codec).device_levels is not LaneCodec.device_levels
+                    and (not codec.gathered
+                         or type(codec).device_agree is not LaneCodec.device_agree)
+                    and codec.rounds == 1 and codec.wire_dtype == np.float64)
+        return (callable(getattr(codec, "device_encode", None))
+                and callable(getattr(codec, "device_decode", None))
+                and getattr(codec, "rounds", None) == 1
+                and getattr(codec, "wire_dtype", None) in _DTYPES)
 
     def __repr__(self):
         return "TorchDeviceCodec(%r)" % (self.codec,)
@@ -362,7 +369,8 @@ class TorchDeviceCodec:
         """
         codec = self.codec
         n_workers = check_num_workers(num_workers)
-        radix, k = codec.geometry(n_workers)
+        lanes = isinstance(codec, LaneCodec)
+        radix, k = codec.geometry(n_workers) if lanes else (None, None)
         if not isinstance(grad, torch.Tensor):
             raise TypeError("grad must be a torch tensor, got %s" % type(grad).__name__)
         g = _flat(grad, "grad", np.float32)
@@ -372,11 +380,13 @@ class TorchDeviceCodec:
                             % type(residual).__name__)
         r = _flat(residual, "residual", np.float32, size, written=True)
         n_total = codec.lane_count(size, n_workers)
-        dst = _flat(out, "out", np.float64, n_total, written=True)
+        dst = _flat(out, "out", codec.wire_dtype, n_total, written=True)
         device = g.device
         if r.device != device:
             raise ValueError("residual must be on grad's device %s, got %s; move it with "
                              "residual.to('%s')" % (device, r.device, device))
+        if not lanes:
+            return self._encode_values(g, r, out, dst, flag)
         t = codec.gathered_count(size)
         if t and not 0 <= rank < n_workers:
             raise ValueError("rank must be in 0..%d, got %r" % (n_workers - 1, rank))
@@ -430,6 +440,25 @@ class TorchDeviceCodec:
         dst.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
         return out
 
+    def _encode_values(self, g, r, out, dst, flag):
+        """encode() of a codec that sends values (randomk): device_encode's values into dst,
+        the residual c - what they send."""
+        self.encode_syncs = 0
+        if not g.numel():
+            return out
+        c = g + r
+        bad = ~torch.isfinite(c).all()
+        if flag is not None:
+            flag.copy_(bad)
+        else:
+            self.encode_syncs += 1
+            if bool(bad):  # the one host synchronisation
+                raise_nonfinite(g.detach().cpu().numpy(), r.detach().cpu().numpy())
+        values, sent = self.codec.device_encode(c, TorchOps(self._consts, g.device))
+        torch.sub(c, sent, out=r)
+        dst.copy_(values)
+        return out
+
     # ------------------------------------------------------------ decode
     @torch.no_grad()
     def decode(self, lanes_sum, size, num_workers, out, device=None, checked=True):
@@ -445,11 +474,17 @@ class TorchDeviceCodec:
         """
         codec = self.codec
         n_workers = check_num_workers(num_workers)
-        radix, k = codec.geometry(n_workers)
         n_total = codec.lane_count(size, n_workers)
-        x_all = _flat(lanes_sum, "lanes_sum", np.float64, n_total)
+        x_all = _flat(lanes_sum, "lanes_sum", codec.wire_dtype, n_total)
         dst = _flat(out, "out", np.float32, size, written=True)
         device = x_all.device if device is None else torch.device(device)
+        if not isinstance(codec, LaneCodec):  # values (randomk): scattered where they came
+            if size:
+                dst.copy_(codec.device_decode(x_all.to(device), size,
+                                              TorchOps(self._consts, device)))
+            codec.pushes += 1
+            return out
+        radix, k = codec.geometry(n_workers)
         t = codec.gathered_count(size)
         n_lanes = n_total - codec.trailer_lanes - n_workers * t
         stat = None

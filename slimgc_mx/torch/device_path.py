@@ -56,7 +56,7 @@ def lacks(config, optimizer):
     if codec is not None:
         if not TorchDeviceCodec.supports(codec):
             return ("compression=%r has no torch-ops version yet (the device path serves "
-                    "none, 1bit, 2bit, 4bit, terngrad, qsgd and thc)" % config.compressor)
+                    "none, 1bit, 2bit, 4bit, terngrad, qsgd, thc and randomk)" % config.compressor)
     for name in ("loc_lr", "loc_optimizer", "trace"):
         if getattr(config, name) is not None:
             return "%s is the host path's option" % name
