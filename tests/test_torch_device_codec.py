@@ -208,6 +208,63 @@ def test_gathered_codecs_bitwise_equal_to_cython_and_reference(name, n_workers, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_workers", [1, 2, 3])
+def test_randomk_bitwise_equal_to_cython_and_reference(n_workers, device):
+    """randomk's values (float32, summed as they are) from the torch codec, the Cython codec
+    and the reference: the same indices, values, residuals and scattered sums, bit for bit,
+    over steps (the indices move with the push's seed) and ratios, sizes 0 and 1 included."""
+    rng = np.random.default_rng(n_workers)
+    for ratio in (0.5, 0.01, 1.0, 0.3):
+        for size in (0, 1, 2, 7, 100, 4097, 70001):
+            made = [make_three("randomk", {"ratio": ratio}) for _ in range(n_workers)]
+            res = [[np.zeros(size, np.float32), np.zeros(size, np.float32),
+                    torch.zeros(size, device=device)] for _ in range(n_workers)]
+            for step in range(3):
+                total = None
+                for w, (cy, ref, dev) in enumerate(made):
+                    what = "ratio %g size %d step %d worker %d" % (ratio, size, step, w)
+                    g = rng.standard_normal(size).astype(np.float32)
+                    sent = cy.encode(g, res[w][0], n_workers)
+                    assert_same(ref.encode(g, res[w][1], n_workers), sent, "reference " + what)
+                    out = torch.full(sent.shape, np.nan, dtype=torch.float32, device=device)
+                    dev.encode(torch.from_numpy(g).to(device), res[w][2], n_workers, out,
+                               rank=w)
+                    assert_same(out, sent, "values " + what)
+                    assert_same(res[w][1], res[w][0], "reference residual " + what)
+                    assert_same(res[w][2], res[w][0], "residual " + what)
+                    total = sent.copy() if total is None else total + sent
+                for w, (cy, ref, dev) in enumerate(made):
+                    decoded = cy.decode(total, size, n_workers)
+                    assert_same(ref.decode(total, size, n_workers), decoded, "reference sum")
+                    out = torch.full((size,), np.nan, device=device)
+                    dev.decode(torch.from_numpy(total).to(device), size, n_workers, out,
+                               checked=bool(w % 2))
+                    assert_same(out, decoded, "sum ratio %g size %d step %d" % (ratio, size,
+                                                                                 step))
+                    assert dev.state_dict() == cy.state_dict()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_randomk_nan_policy_and_flag(device):
+    g = np.linspace(-1, 1, 1000).astype(np.float32)
+    g[17] = np.nan
+    dev = TorchDeviceCodec(codecs.create("randomk"))
+    residual = torch.full((1000,), 0.25, device=device)
+    out = torch.full((dev.codec.lane_count(1000, 2),), 7.0, device=device)
+    with pytest.raises(codecs.NonFiniteGradientError, match="grad\\[17\\]"):
+        dev.encode(torch.from_numpy(g).to(device), residual, 2, out)
+    assert (host(residual) == 0.25).all() and (host(out) == 7.0).all()
+    for grad, want in ((g, 1.0), (np.nan_to_num(g), 0.0)):
+        flag = torch.full((), 7.0, dtype=torch.float64, device=device)
+        dev.encode(torch.from_numpy(grad).to(device), torch.zeros(1000, device=device), 2, out,
+                   flag=flag)
+        assert float(flag) == want
+    with pytest.raises(TypeError, match="float32"):
+        dev.encode(torch.zeros(10, device=device), torch.zeros(10, device=device), 2,
+                   np.zeros(dev.codec.lane_count(10, 2)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gathered_state_stays_on_the_device_until_state_dict(device):
     """decode(checked=False) leaves the codec's host state behind (no host read) and the
     next encode uses the device's; state_dict() reads it back, load_state_dict() replaces
@@ -459,11 +516,11 @@ def test_decode_extreme_lanes(name, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_input_errors(device):
-    for name in ("none", "topk", "randomk", "powersgd", "dgc", "gcomp"):
+    for name in ("none", "topk", "powersgd", "dgc", "gcomp"):
         with pytest.raises(ValueError, match="lane codecs with torch levels"):
             TorchDeviceCodec(codecs.create(name))
         assert not TorchDeviceCodec.supports(codecs.create(name))
-    for name in SERVED:
+    for name in SERVED + ["randomk"]:
         assert TorchDeviceCodec.supports(codecs.create(name)), name
     assert TorchDeviceCodec.supports(codecs.create("thc", hadamard=True))
     dev = TorchDeviceCodec(codecs.create("2bit"))

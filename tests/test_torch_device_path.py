@@ -13,8 +13,8 @@ MODES = ("match", "nan", "settings", "resume", "changed", "overlap")
 SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
 #: torch_jobs/device_path.py's CODECS: each codec it serves, and two with options (thc's
 #: rotation; qsgd's buckets below 8 elements and levels not a power of two).
-SERVED = ("none", "1bit", "2bit", "4bit", "terngrad", "qsgd", "thc", "thc_hadamard",
-          "qsgd_small")
+SERVED = ("none", "1bit", "2bit", "4bit", "terngrad", "qsgd", "thc", "randomk",
+          "thc_hadamard", "qsgd_small")
 CASES = ["%s-%s-%s" % (c, b, o) for c in SERVED
          for b in ("backup", "nobackup") for o in ("sgd", "adam")]
 
@@ -118,7 +118,7 @@ def test_buckets_run_in_backward_order_by_group_kind_and_cap():
     assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)]
     # a codec with a per-tensor statistic or gathered values: one bucket per compressed
     # tensor (the full-precision ones still fuse)
-    for name in ("1bit", "4bit", "terngrad", "qsgd", "thc"):
+    for name in ("1bit", "4bit", "terngrad", "qsgd", "thc", "randomk"):
         specs = buckets.plan_buckets(named, groups, codecs.create(name), 0, 10 ** 9)
         assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)], name
         mixed = _named(10, 1000, 5, 7, 1000)  # 2 and 3 below 1024 bytes: full precision
@@ -139,7 +139,7 @@ def test_the_choice_of_path_is_made_in_one_place_and_refuses_with_the_fix():
     assert device_path.choose("device", config, sgd, cuda=False) == "device"
     assert device_path.choose("host", config, sgd, cuda=True) == "host"
     for name, options in (("terngrad", {}), ("qsgd", {"bucket_size": 4}),
-                          ("thc", {"hadamard": True})):
+                          ("thc", {"hadamard": True}), ("randomk", {"ratio": 0.1})):
         served = SlimGCConfig(compressor=name, codec_options=options)
         assert device_path.choose("auto", served, sgd, cuda=True) == "device", name
     for bad, words in ((SlimGCConfig(compressor="powersgd"), "powersgd"),

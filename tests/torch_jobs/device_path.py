@@ -36,7 +36,7 @@ def make_opt(net, name):
 
 #: The codecs of mode match: (case name, compression, codec options).
 CODECS = [(name, name, {}) for name in ("none", "1bit", "2bit", "4bit", "terngrad", "qsgd",
-                                        "thc")] + [
+                                        "thc", "randomk")] + [
     ("thc_hadamard", "thc", {"hadamard": True}),
     ("qsgd_small", "qsgd", {"bucket_size": 4, "levels": 3})]
 
