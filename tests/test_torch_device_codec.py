@@ -4,6 +4,7 @@ device; the key API with the residual kept on the device; NaN policy; input erro
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -12,10 +13,14 @@ torch = pytest.importorskip("torch")
 
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.codecs import fourbit  # noqa: E402
+from slimgc_mx.codecs.layout import CHUNK_LANES  # noqa: E402
+from slimgc_mx.codecs.rng import key_seed  # noqa: E402
 from slimgc_mx.torch.device import TorchDeviceCodec, benchmark  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANE_CODECS = ["1bit", "2bit", "4bit"]
+#: Every codec the torch codec serves: those above and the ones with gathered values.
+SERVED = LANE_CODECS + ["qsgd", "terngrad", "thc"]
 #: Gradient magnitude per step: 4bit crosses groups 3 -> 1 -> 2 -> 3 (Table 1).
 STEP_SCALES = [0.02, 0.3, 2.0, 0.05]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -123,6 +128,200 @@ def test_bitwise_equal_to_cython(name, n_workers, device):
         run_workers(name, shape, n_workers, 2 if np.prod(shape) > 10000 else 4, rng, device)
 
 
+#: The codecs with gathered values, each with option sets that reach its other branches:
+#: terngrad without clipping and with error feedback; qsgd with buckets below 8 elements and
+#: levels not a power of two, and s = 1; thc rotated, and with the most levels.
+GATHERED = {
+    "terngrad": [{}, {"clip_sigma": 0.0},
+                 {"clip_sigma": 1.0, "error_feedback": True, "allow_unbiased_feedback": True}],
+    "qsgd": [{}, {"bucket_size": 4, "levels": 3}, {"bucket_size": 8, "levels": 1}],
+    "thc": [{}, {"hadamard": True, "granularity": 5}, {"granularity": 65536}],
+}
+
+
+def gathered_sizes(codec, n_workers):
+    """0, 1, odd sizes, sizes around the lane packing k and past one kernel chunk (the
+    statistics' sums run chunk by chunk), a power of two and one past it (thc's padding)."""
+    _, k = codec.geometry(n_workers)
+    return sorted({0, 1, 7, max(1, k - 1), k, k + 1, 3 * k + 2, 4096, 4097,
+                   CHUNK_LANES * k + 5})
+
+
+def make_three(name, options, key=3):
+    """The Cython codec, its NumPy reference and the torch device codec, keyed alike."""
+    with warnings.catch_warnings():  # error_feedback=true with the override: warned once
+        warnings.simplefilter("ignore", UserWarning)
+        made = [codecs.create(name, num_threads=1, **options),
+                codecs.create(name, reference=True, **options), codecs.create(name, **options)]
+    for c in made:
+        c.seed = key_seed(11, key)
+    return made[0], made[1], TorchDeviceCodec(made[2])
+
+
+def run_gathered(name, options, size, n_workers, steps, rng, device):
+    """N workers' pushes through the three implementations: every lane (the gathered slots
+    included), residual and decoded sum bitwise the same, the states equal after each step.
+    The torch codec's decode alternates between keeping the state on the device
+    (checked=False) and reading it to the host (checked=True); its state is compared at
+    the end, so that the pushes between use the state the device kept."""
+    workers = [make_three(name, options) for _ in range(n_workers)]
+    res = [[np.zeros(size, np.float32), np.zeros(size, np.float32),
+            torch.zeros(size, dtype=torch.float32, device=device)] for _ in range(n_workers)]
+    for step in range(steps):
+        scale = STEP_SCALES[step % len(STEP_SCALES)]
+        total = None
+        for w, (cy, ref, dev) in enumerate(workers):
+            g = (scale * rng.standard_normal(size)).astype(np.float32)
+            g[rng.random(size) < 0.05] = 0.0
+            what = "%s %s N=%d size=%d step=%d worker=%d" % (name, options, n_workers, size,
+                                                              step, w)
+            lanes = cy.encode(g, res[w][0], n_workers, rank=w)
+            assert_same(ref.encode(g, res[w][1], n_workers, rank=w), lanes, "reference " + what)
+            out = torch.full(lanes.shape, np.nan, dtype=torch.float64, device=device)
+            dev.encode(torch.from_numpy(g).to(device), res[w][2], n_workers, out, rank=w)
+            assert_same(out, lanes, "lanes " + what)
+            assert_same(res[w][1], res[w][0], "reference residual " + what)
+            assert_same(res[w][2], res[w][0], "residual " + what)
+            total = lanes.copy() if total is None else total + lanes
+        for w, (cy, ref, dev) in enumerate(workers):
+            what = "%s %s N=%d size=%d step=%d worker=%d" % (name, options, n_workers, size,
+                                                              step, w)
+            decoded = cy.decode(total, size, n_workers)
+            assert_same(ref.decode(total, size, n_workers), decoded, "reference decoded " + what)
+            out = torch.full((size,), np.nan, dtype=torch.float32, device=device)
+            dev.decode(torch.from_numpy(total).to(device), size, n_workers, out,
+                       checked=bool((step + w) % 2))
+            assert_same(out, decoded, "decoded " + what)
+            assert ref.state_dict() == cy.state_dict(), what
+    for cy, _, dev in workers:  # (read back only now: the pushes used the device's state)
+        assert dev.state_dict() == cy.state_dict()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 5])
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_gathered_codecs_bitwise_equal_to_cython_and_reference(name, n_workers, device):
+    rng = np.random.default_rng([sorted(GATHERED).index(name), n_workers])
+    for options in GATHERED[name]:
+        for size in gathered_sizes(make_three(name, options)[0], n_workers):
+            run_gathered(name, options, size, n_workers, 4 if size < 10000 else 3, rng, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_workers", [1, 2, 3])
+def test_randomk_bitwise_equal_to_cython_and_reference(n_workers, device):
+    """randomk's values (float32, summed as they are) from the torch codec, the Cython codec
+    and the reference: the same indices, values, residuals and scattered sums, bit for bit,
+    over steps (the indices move with the push's seed) and ratios, sizes 0 and 1 included."""
+    rng = np.random.default_rng(n_workers)
+    for ratio in (0.5, 0.01, 1.0, 0.3):
+        for size in (0, 1, 2, 7, 100, 4097, 70001):
+            made = [make_three("randomk", {"ratio": ratio}) for _ in range(n_workers)]
+            res = [[np.zeros(size, np.float32), np.zeros(size, np.float32),
+                    torch.zeros(size, device=device)] for _ in range(n_workers)]
+            for step in range(3):
+                total = None
+                for w, (cy, ref, dev) in enumerate(made):
+                    what = "ratio %g size %d step %d worker %d" % (ratio, size, step, w)
+                    g = rng.standard_normal(size).astype(np.float32)
+                    sent = cy.encode(g, res[w][0], n_workers)
+                    assert_same(ref.encode(g, res[w][1], n_workers), sent, "reference " + what)
+                    out = torch.full(sent.shape, np.nan, dtype=torch.float32, device=device)
+                    dev.encode(torch.from_numpy(g).to(device), res[w][2], n_workers, out,
+                               rank=w)
+                    assert_same(out, sent, "values " + what)
+                    assert_same(res[w][1], res[w][0], "reference residual " + what)
+                    assert_same(res[w][2], res[w][0], "residual " + what)
+                    total = sent.copy() if total is None else total + sent
+                for w, (cy, ref, dev) in enumerate(made):
+                    decoded = cy.decode(total, size, n_workers)
+                    assert_same(ref.decode(total, size, n_workers), decoded, "reference sum")
+                    out = torch.full((size,), np.nan, device=device)
+                    dev.decode(torch.from_numpy(total).to(device), size, n_workers, out,
+                               checked=bool(w % 2))
+                    assert_same(out, decoded, "sum ratio %g size %d step %d" % (ratio, size,
+                                                                                 step))
+                    assert dev.state_dict() == cy.state_dict()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_randomk_nan_policy_and_flag(device):
+    g = np.linspace(-1, 1, 1000).astype(np.float32)
+    g[17] = np.nan
+    dev = TorchDeviceCodec(codecs.create("randomk"))
+    residual = torch.full((1000,), 0.25, device=device)
+    out = torch.full((dev.codec.lane_count(1000, 2),), 7.0, device=device)
+    with pytest.raises(codecs.NonFiniteGradientError, match="grad\\[17\\]"):
+        dev.encode(torch.from_numpy(g).to(device), residual, 2, out)
+    assert (host(residual) == 0.25).all() and (host(out) == 7.0).all()
+    for grad, want in ((g, 1.0), (np.nan_to_num(g), 0.0)):
+        flag = torch.full((), 7.0, dtype=torch.float64, device=device)
+        dev.encode(torch.from_numpy(grad).to(device), torch.zeros(1000, device=device), 2, out,
+                   flag=flag)
+        assert float(flag) == want
+    with pytest.raises(TypeError, match="float32"):
+        dev.encode(torch.zeros(10, device=device), torch.zeros(10, device=device), 2,
+                   np.zeros(dev.codec.lane_count(10, 2)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gathered_state_stays_on_the_device_until_state_dict(device):
+    """decode(checked=False) leaves the codec's host state behind (no host read) and the
+    next encode uses the device's; state_dict() reads it back, load_state_dict() replaces
+    it: the pushes after a reload are the Cython codec's."""
+    rng = np.random.default_rng(8)
+    size, n_workers = 3000, 2
+    for name in sorted(GATHERED):
+        cy, _, dev = make_three(name, {})
+        res_cy = np.zeros(size, np.float32)
+        res_dev = torch.zeros(size, device=device)
+        for step in range(3):
+            g = rng.standard_normal(size).astype(np.float32)
+            lanes = cy.encode(g, res_cy, n_workers)
+            out = torch.zeros(lanes.shape, dtype=torch.float64, device=device)
+            dev.encode(torch.from_numpy(g).to(device), res_dev, n_workers, out)
+            assert_same(out, lanes, "%s step %d" % (name, step))
+            total = lanes * n_workers
+            cy.decode(total, size, n_workers)
+            dev.decode(torch.from_numpy(total).to(device), size, n_workers,
+                       torch.zeros(size, device=device), checked=False)
+            assert dev.codec.pushes == cy.pushes
+        host = dev.codec.state_dict()
+        assert host != cy.state_dict(), name  # the host copy is the first push's
+        state = dev.state_dict()
+        assert state == cy.state_dict() == dev.codec.state_dict(), name
+        fresh = TorchDeviceCodec(codecs.create(name))
+        fresh.load_state_dict(state)
+        g = rng.standard_normal(size).astype(np.float32)
+        lanes = cy.encode(g, res_cy, n_workers)
+        out = torch.zeros(lanes.shape, dtype=torch.float64, device=device)
+        fresh.encode(torch.from_numpy(g).to(device), res_dev, n_workers, out)
+        assert_same(out, lanes, "%s after load_state_dict" % name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_rng_and_the_ordered_sums_are_the_kernels(device):
+    """TorchOps.uniform is rng.uniform (and the kernels') bit for bit, seeds beyond 2**63
+    included; chunk_sums adds as chunk_sum does, values over many magnitudes (where the
+    order of the additions shows), one chunk and several."""
+    from slimgc_mx.codecs import rng as codec_rng
+    from slimgc_mx.codecs.base import kernels
+    from slimgc_mx.codecs.lanes import ConstCache, chunk_sum
+    from slimgc_mx.torch.device import TorchOps
+    ops = TorchOps(ConstCache(), torch.device(device))
+    for seed in (0, 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 0x9E3779B97F4A7C15):
+        for count in (0, 1, 2, 7, 1000):
+            got = host(ops.uniform(seed, count))
+            assert_same(got, codec_rng.uniform(seed, 0, count), "seed %d count %d" % (seed, count))
+            assert_same(got, kernels().uniforms(seed, 0, count), "kernel %d" % seed)
+    gen = np.random.default_rng(2)
+    for n, k in ((1, 5), (5000, 3), (3 * CHUNK_LANES * 7 + 11, 7)):
+        v = gen.standard_normal(n) * np.exp(10 * gen.standard_normal(n))
+        t = torch.from_numpy(v).to(device)
+        got = host(ops.chunk_sums(torch.stack([t, t * t], 1), k))
+        assert_same(got, np.array([chunk_sum(v, k), chunk_sum(v * v, k)]), "n=%d" % n)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_shared_state_follows_decode(device):
     """1bit scale and 4bit group come from the trailer lane, as in Codec.decode()."""
@@ -156,7 +355,7 @@ class Key:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 def test_key_api_keeps_the_residual_on_the_device(name, device):
     """encode_key / decode_key as the aggregator and pipeline call them: lanes to the host
     bit_buf, the decoded sum to agg, the residual on the gradient's device (b.residual
@@ -200,7 +399,7 @@ def test_key_api_keeps_the_residual_on_the_device(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 @pytest.mark.parametrize("bad", ["nan", "inf", "sum"])
 def test_nonfinite_raises_before_touching(name, bad, device):
     dev = TorchDeviceCodec(codecs.create(name))
@@ -223,8 +422,39 @@ def test_nonfinite_raises_before_touching(name, bad, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", SERVED + ["thc_hadamard"])
+def test_the_flag_says_nonfinite_and_encodes_anyway(name, device):
+    """encode(flag=...): no error, the flag 1 where grad + residual (or thc's rotation of
+    finite values, which overflows) is not finite, else 0; the lanes written either way."""
+    options = {"hadamard": True} if name == "thc_hadamard" else {}
+    g = np.linspace(-1, 1, 1000).astype(np.float32)
+    cases = [("finite", g, 0.0)]
+    bad = g.copy()
+    bad[17] = np.nan
+    cases.append(("nan", bad, 1.0))
+    if options:  # finite, but their rotation's sums pass float32's largest value
+        big = g.copy()
+        big[:8] = 3e38
+        cases.append(("rotation", big, 1.0))
+        dev = TorchDeviceCodec(codecs.create("thc", **options))
+        with pytest.raises(codecs.NonFiniteGradientError, match="rotation"):
+            dev.encode(torch.from_numpy(big).to(device), torch.zeros(1000, device=device), 2,
+                       np.zeros(dev.codec.lane_count(1000, 2)))
+    for what, grad, want in cases:
+        dev = TorchDeviceCodec(codecs.create(name.split("_")[0], **options))
+        flag = torch.full((), 7.0, dtype=torch.float64, device=device)
+        out = torch.full((dev.codec.lane_count(1000, 2),), np.nan, dtype=torch.float64,
+                         device=device)
+        dev.encode(torch.from_numpy(grad).to(device), torch.zeros(1000, device=device), 2,
+                   out, flag=flag, rank=1)
+        assert float(flag) == want, (name, what)
+        if what == "finite":
+            assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_gradient(device):
-    for name in LANE_CODECS:
+    for name in SERVED:
         cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
         out = np.full(cy.lane_count(0, 2), 7.0)
         empty = torch.zeros(0, device=device)
@@ -237,7 +467,7 @@ def test_empty_gradient(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_huge_finite_values_are_not_rejected(device):
     rng = np.random.default_rng(4)
-    for name in LANE_CODECS:
+    for name in SERVED:
         cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
         g = rng.standard_normal(999).astype(np.float32)
         g[::7] = 3e38
@@ -252,16 +482,21 @@ def test_huge_finite_values_are_not_rejected(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 def test_decode_extreme_lanes(name, device):
     """Digit sums at 0 and R-1 everywhere (lanes up to R**k - 1 <= 2**53) decode exactly."""
     rng = np.random.default_rng(3)
     for n_workers in (1, 2, 5, 64):
         cy, dev = codecs.create(name), TorchDeviceCodec(codecs.create(name))
-        if name == "1bit":
-            cy.scale = dev.codec.scale = 0.37  # a scale 0 would decode everything to 0
         radix, k = cy.geometry(n_workers)
         size = 50 * k - 3
+        state = cy.state_dict()  # a scale 0 would decode everything to 0
+        if name == "qsgd":
+            state["norms"] = [0.37 + j for j in range(cy.gathered_count(size))]
+        elif "scale" in state:  # (thc's must be a float32 value; terngrad's need not)
+            state["scale"] = float(np.float32(0.37)) if name == "thc" else 0.37
+        cy.load_state_dict(state)
+        dev.codec.load_state_dict(state)
         body = -(-size // k)
         digits = rng.integers(0, radix, (body, k))
         digits[0], digits[1] = radix - 1, 0
@@ -272,6 +507,7 @@ def test_decode_extreme_lanes(name, device):
         powers = [radix ** j for j in range(k)]
         lanes = [float(sum(int(d) * p for d, p in zip(row, powers))) for row in digits]
         lanes += [0.7 * n_workers] * cy.trailer_lanes
+        lanes += [0.5 + j for j in range(n_workers * cy.gathered_count(size))]
         lanes = np.array(lanes, dtype=np.float64)
         out = torch.zeros(size, device=device)
         dev.decode(torch.from_numpy(lanes).to(device), size, n_workers, out)
@@ -280,10 +516,13 @@ def test_decode_extreme_lanes(name, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_input_errors(device):
-    for name in ("none", "terngrad", "topk"):
+    for name in ("none", "topk", "powersgd", "dgc", "gcomp"):
         with pytest.raises(ValueError, match="lane codecs with torch levels"):
             TorchDeviceCodec(codecs.create(name))
         assert not TorchDeviceCodec.supports(codecs.create(name))
+    for name in SERVED + ["randomk"]:
+        assert TorchDeviceCodec.supports(codecs.create(name)), name
+    assert TorchDeviceCodec.supports(codecs.create("thc", hadamard=True))
     dev = TorchDeviceCodec(codecs.create("2bit"))
     g, r = torch.zeros(10, device=device), torch.zeros(10, device=device)
     n_lanes = dev.codec.lane_count(10, 2)
@@ -327,7 +566,7 @@ def test_input_errors(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", LANE_CODECS)
+@pytest.mark.parametrize("name", SERVED)
 def test_benchmark_gives_seconds_per_encode_and_decode(name, device):
     result = benchmark(name, 5003, device, repeats=2, warmup=1)
     assert sorted(result) == ["decode", "encode"]

@@ -11,7 +11,11 @@ from torch_launch import Batch, results  # noqa: E402
 
 MODES = ("match", "nan", "settings", "resume", "changed", "overlap")
 SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
-CASES = ["%s-%s-%s" % (c, b, o) for c in ("none", "1bit", "2bit", "4bit")
+#: torch_jobs/device_path.py's CODECS: each codec it serves, and two with options (thc's
+#: rotation; qsgd's buckets below 8 elements and levels not a power of two).
+SERVED = ("none", "1bit", "2bit", "4bit", "terngrad", "qsgd", "thc", "randomk",
+          "thc_hadamard", "qsgd_small")
+CASES = ["%s-%s-%s" % (c, b, o) for c in SERVED
          for b in ("backup", "nobackup") for o in ("sgd", "adam")]
 
 
@@ -23,13 +27,16 @@ def job(tmp_path, mode):
 
 @pytest.mark.slow
 def test_every_codec_it_serves_gives_the_host_paths_global_weights(tmp_path):
-    """Adam runs torch's own step on both paths: bit for bit, backup on and off. SGD: the
-    host path's global update is a Cython kernel a rounding away from torch's (within
-    1.2e-7 of it here), while the device path runs torch's own SGD, so with full precision
-    and no backup it gives DDP's weights bit for bit."""
+    """Adam runs torch's own step on both paths: bit for bit, backup on and off, for every
+    codec (the stochastic ones draw from the host path's seeds, and their shared scale or
+    norms, agreed on the device, are the host path's). SGD: the host path's global update
+    is a Cython kernel a rounding away from torch's (within 1.2e-7 of it here), while the
+    device path runs torch's own SGD, so with full precision and no backup it gives DDP's
+    weights bit for bit. Small buckets are tried where a bucket holds several tensors."""
     ranks = job(tmp_path, "match")
     assert ranks[0] == ranks[1]  # every rank the same global weights
     r = ranks[0]
+    assert sorted(r) == sorted(CASES + ["ddp-sgd", "ddp-adam"])
     for case in CASES:
         got = r[case]
         assert got["data_path"] == "device", case
@@ -37,9 +44,12 @@ def test_every_codec_it_serves_gives_the_host_paths_global_weights(tmp_path):
             assert got["device"] == got["host"], case
         else:
             assert 0 < got["max_diff"] <= 2e-7, case  # the kernel's rounding, no more
-        assert got["small_buckets"] == got["device"], case  # buckets do not change sums
         assert got["compressed_buckets"] == (0 if case.startswith("none") else
                                              got["buckets"] - 1), case
+        per_tensor = case.split("-")[0] not in ("none", "2bit")
+        assert ("small_buckets" in got) != per_tensor, case
+        if not per_tensor:
+            assert got["small_buckets"] == got["device"], case  # buckets change no sum
     for optimizer in ("sgd", "adam"):
         assert r["ddp-" + optimizer]["device"] == r["ddp-" + optimizer]["ddp"]
 
@@ -82,9 +92,14 @@ def test_a_setting_changed_on_one_rank_stops_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_run_continues_bit_for_bit(tmp_path):
+    """2bit, and terngrad, whose scale the device keeps: the checkpoint reads it back."""
     for r in job(tmp_path, "resume"):
-        assert r["params"][0] == r["params"][1]
-        assert r["flushed"][0] == r["flushed"][1]
+        for compression in ("2bit", "terngrad"):
+            got = r[compression]
+            assert got["params"][0] == got["params"][1], compression
+            assert got["flushed"][0] == got["flushed"][1], compression
+        scales = r["terngrad"]["scales"]
+        assert len(scales) == 5 and all(s > 0 for s in scales), scales
 
 
 def _named(*sizes):
@@ -101,9 +116,16 @@ def test_buckets_run_in_backward_order_by_group_kind_and_cap():
     # a cap below one tensor: one tensor per bucket
     specs = buckets.plan_buckets(named, groups, codecs.create("2bit"), 1024, 100)
     assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)]
-    # a codec with a per-tensor statistic: one bucket per compressed tensor
-    specs = buckets.plan_buckets(named, groups, codecs.create("1bit"), 0, 10 ** 9)
-    assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)]
+    # a codec with a per-tensor statistic or gathered values: one bucket per compressed
+    # tensor (the full-precision ones still fuse)
+    for name in ("1bit", "4bit", "terngrad", "qsgd", "thc", "randomk"):
+        specs = buckets.plan_buckets(named, groups, codecs.create(name), 0, 10 ** 9)
+        assert [s.indices for s in specs] == [(4,), (3,), (2,), (1,), (0,)], name
+        mixed = _named(10, 1000, 5, 7, 1000)  # 2 and 3 below 1024 bytes: full precision
+        specs = buckets.plan_buckets(mixed, {i: 0 for i in range(5)}, codecs.create(name),
+                                     1024, 10 ** 9)
+        assert [(s.indices, s.compressed) for s in specs] == [
+            ((4,), True), ((3, 2), False), ((1,), True), ((0,), False)], name
     # full precision: every bucket full precision, one per group
     specs = buckets.plan_buckets(named, groups, None, 0, 10 ** 9)
     assert [(s.indices, s.compressed) for s in specs] == [((4,), False), ((3, 2, 1, 0), False)]
@@ -116,6 +138,10 @@ def test_the_choice_of_path_is_made_in_one_place_and_refuses_with_the_fix():
     assert device_path.choose("auto", config, sgd, cuda=False) == "host"
     assert device_path.choose("device", config, sgd, cuda=False) == "device"
     assert device_path.choose("host", config, sgd, cuda=True) == "host"
+    for name, options in (("terngrad", {}), ("qsgd", {"bucket_size": 4}),
+                          ("thc", {"hadamard": True}), ("randomk", {"ratio": 0.1})):
+        served = SlimGCConfig(compressor=name, codec_options=options)
+        assert device_path.choose("auto", served, sgd, cuda=True) == "device", name
     for bad, words in ((SlimGCConfig(compressor="powersgd"), "powersgd"),
                        (SlimGCConfig(compressor="2bit", loc_lr=0.1), "loc_lr"),
                        (SlimGCConfig(compressor="2bit", audit_every=5), "audit_every")):

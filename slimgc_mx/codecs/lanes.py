@@ -382,6 +382,59 @@ class LaneCodec(Codec):
         """The device array whose |.| the trailer statistic sums (None without a trailer)."""
         return None
 
+    # A codec with gathered values (terngrad, qsgd, thc) gives its whole push in DeviceOps,
+    # its shared state kept on the device between pushes (ops.state), so that no host read
+    # of the sum is needed to agree on the next push's scale. torch's device codec runs them.
+
+    def device_state(self, size, ops):
+        """The shared state of the next push for a tensor of `size` elements as device
+        arrays (ops.state), made from this instance's (host) state; None: none beyond
+        _affine() (1bit, 2bit, 4bit read theirs on the host)."""
+        return None
+
+    def device_transform(self, compensated, ops):
+        """The values to level in place of the compensated ones (thc's rotation), or None."""
+        return None
+
+    def levelled_count(self, size):
+        """How many values a push of `size` elements levels (thc's rotation pads them)."""
+        return size
+
+    def transform_overflow(self, grad, residual):
+        """Raise NonFiniteGradientError for finite grad + residual (NumPy) whose
+        device_transform is not finite."""
+        raise_nonfinite(grad, residual)
+
+    def device_untransform(self, values, size, ops):
+        """device_transform's inverse on one worker's (or the sum's) decoded values: the
+        first `size` elements in the gradient's domain."""
+        return values
+
+    def device_sent(self, x, levels, ops):
+        """What error feedback subtracts from x (float32, x's domain), or None: the decoded
+        value of each level for one worker (own_values())."""
+        return None
+
+    def device_gathered(self, grad, x, ops):
+        """This worker's gathered values (float64, gathered_count(size) of them) for the
+        levelled values x (the compensated ones, or device_transform's)."""
+        raise NotImplementedError
+
+    def device_agree(self, gathered, ops):
+        """The next push's device state from the summed slots, (N, values) float64: what
+        _agree() sets on the host, on the device."""
+        raise NotImplementedError
+
+    def device_values(self, digit_sums, num_workers, ops):
+        """float32 decoded sum of N workers from int64 digit sums, with the device state;
+        None: affine with _affine() (the state on the host)."""
+        return None
+
+    def adopt_device_state(self, state):
+        """Set this instance's host state from device_agree()'s (copied to NumPy): the host
+        read a checkpoint makes, after which state_dict() is the device's."""
+        raise NotImplementedError
+
 
 class DeviceOps:
     """The few array ops a codec's device_levels may use, each adapter's own (MXNet's
@@ -397,6 +450,26 @@ class DeviceOps:
         table(kind, params, values)
                              a small constant table of levels on the values' device, made
                              once per (kind, params) and cached
+
+    The gathered codecs' device push (device_state ... device_agree; torch's ops only, as
+    MXNet's device codec serves no gathered codec) adds: `state` (the shared state on the
+    device), `k` (digits per lane), and
+
+        array(values, dtype)     a host array's values on the device ('float32', ...)
+        uniform(seed, count)     float32 uniforms of elements 0..count-1 (rng.uniform)
+        minimum(a, b), maximum(a, b), copysign(a, b), floor(x), sqrt(x)
+        divide(a, b)             a / b correctly rounded (either may be a Python number)
+        max(x, axis=None)        the largest value (of each column with axis=0)
+        float32(x), float64(x)   conversions (round to nearest); to_level(x): float to level
+        pad(x, count)            x zero-padded to count elements
+        repeat(x, times, count)  each value `times` times, the first count values
+        scatter(count, index, values)
+                                 count zeros with values at index (distinct)
+        run_sums(x, run, width)  float64 x as rows of `width` values: the sum of each run of
+                                 `run` rows (the last zero-padded), added in row order
+        chunk_sums(columns, k)   (n, w) float64 columns summed as chunk_sum() sums them
+        butterfly(x, h)          one Walsh-Hadamard stage: pairs h apart -> (a + b, a - b)
+        arange(count), stack(arrays), to_host(x)
     """
 
 

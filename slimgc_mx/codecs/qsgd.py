@@ -130,6 +130,63 @@ class QSGD(UnbiasedFeedback, LaneCodec):
         kernels().decode_qsgd(lanes_sum, out, rows, k, m, self._norm_table(out.shape[0]),
                               self.bucket, self.num_threads)
 
+    # ------------------------------------------------------------ device path (DeviceOps)
+    def device_state(self, size, ops):
+        """The norms of this push, float32, one per bucket."""
+        return ops.array(self._norm_table(size), "float32")
+
+    def _device_inverse(self, n, ops):
+        """1 / norm (0 for a norm below TINY) of each element's bucket."""
+        norms = ops.state
+        return ops.repeat(ops.where(norms >= TINY, ops.divide(1.0, norms), 0.0),
+                          self.bucket, n)
+
+    def device_levels(self, c, ops):
+        n = c.shape[0]
+        x = ops.minimum(ops.abs(c) * self._device_inverse(n, ops), 1.0) * float(self.s)
+        low = ops.floor(x)
+        m = ops.to_level(low) + ops.level(ops.uniform(self.push_seed(), n) < x - low)
+        return ops.where(c < 0.0, self.s - m, self.s + m)
+
+    def _device_units(self, d, num_workers, ops):
+        """float32(double(1/s) * (D - N*s)): the unit value of digit sums D of N workers."""
+        return ops.float32(ops.float64(d - num_workers * self.s) * (1.0 / self.s))
+
+    def device_sent(self, c, q, ops):
+        n, norms = c.shape[0], ops.state
+        if not self.option_values["error_feedback"]:  # what the norms clipped, no noise
+            cap = ops.repeat(ops.where(norms >= TINY, norms, 0.0), self.bucket, n)
+            return ops.copysign(ops.minimum(ops.abs(c), cap), c)
+        return self._device_units(q, 1, ops) * ops.repeat(norms, self.bucket, n)
+
+    def device_gathered(self, grad, c, ops):
+        """The bucket norms: partial sums of c^2 (element e into partial e % 8), each added
+        in element order, then bucket_norms' tree."""
+        self._check_bucket(ops.k)
+        n = c.shape[0]
+        nb = self.gathered_count(n)
+        v = ops.float64(c)
+        sq = v * v
+        if self.bucket >= PARTIALS:
+            p = ops.run_sums(sq, self.bucket // PARTIALS, PARTIALS)
+        else:
+            e = ops.arange(n)
+            p = ops.scatter(nb * PARTIALS, (e // self.bucket) * PARTIALS + e % PARTIALS,
+                            sq).reshape(nb, PARTIALS)
+        total = ((p[:, 0] + p[:, 1]) + (p[:, 2] + p[:, 3])) + ((p[:, 4] + p[:, 5])
+                                                              + (p[:, 6] + p[:, 7]))
+        return ops.float64(ops.float32(ops.sqrt(total)))
+
+    def device_agree(self, gathered, ops):
+        return ops.float32(ops.max(gathered, axis=0))
+
+    def device_values(self, d, num_workers, ops):
+        return self._device_units(d, num_workers, ops) * ops.repeat(ops.state, self.bucket,
+                                                                     d.shape[0])
+
+    def adopt_device_state(self, state):
+        self.norms = np.asarray(state, dtype=np.float32)
+
 
 @register(reference=True)
 class QSGDReference(LaneReference, QSGD):
@@ -161,7 +218,7 @@ class QSGDReference(LaneReference, QSGD):
         sq = c.astype(np.float64) ** 2
         partials = np.zeros((nb, PARTIALS), np.float64)
         e = np.arange(n)
-        if self.bucket >= PARTIALS:
+        if nb and self.bucket >= PARTIALS:  # (no bucket: no norm; reshape refuses (0, -1))
             padded = np.zeros(nb * self.bucket, np.float64)
             padded[:n] = sq
             partials[...] = np.cumsum(padded.reshape(nb, -1, PARTIALS), axis=1)[:, -1]

@@ -118,6 +118,27 @@ class RandomK(Codec):
     def _decode_into(self, wire_sum, out):
         kernels().decode_randomk(wire_sum, out, self.push_seed(), self.num_threads)
 
+    # ------------------------------------------------------------ device path (DeviceOps)
+    def _device_indices(self, n, ops):
+        """strata_indices in DeviceOps: lo + floor(u * width) per stratum, in double."""
+        k = self.count(n)
+        s = ops.arange(k)
+        lo = s * n // k
+        width = (s + 1) * n // k - lo
+        u = ops.float64(ops.uniform(self.push_seed(), k))
+        return lo + ops.to_level(u * ops.float64(width))
+
+    def device_encode(self, c, ops):
+        """(the k values of c at this push's indices, what error feedback subtracts: those
+        values there, zeros elsewhere), for a torch device codec."""
+        idx = self._device_indices(c.shape[0], ops)
+        values = c[idx]
+        return values, ops.scatter(c.shape[0], idx, values)
+
+    def device_decode(self, wire_sum, size, ops):
+        """float32 (size,): zeros, with the summed values at this push's indices."""
+        return ops.scatter(size, self._device_indices(size, ops), wire_sum)
+
 
 @register(reference=True)
 class RandomKReference(RandomK):

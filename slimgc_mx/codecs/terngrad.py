@@ -66,6 +66,46 @@ class TernGrad(UnbiasedFeedback, SharedScale, LaneCodec):
                            self._chunk_order_sum(rows, 1), self._chunk_order_sum(rows, 2),
                            grad.shape[0], self.clip_sigma)]
 
+    # ------------------------------------------------------------ device path (DeviceOps)
+    def device_state(self, size, ops):
+        """The scale, a float64 0-dim array: decode multiplies by it, encode by its float32
+        value (as _affine and the kernel do; they differ only for a loaded scale)."""
+        return ops.array(self.scale, "float64")
+
+    def device_levels(self, c, ops):
+        s = ops.float32(ops.state)
+        inv = ops.where(s > 0, ops.divide(1.0, s), 0.0)
+        x = ops.minimum(ops.abs(c), s) * inv
+        d = ops.level(ops.uniform(self.push_seed(), c.shape[0]) < x)
+        return ops.where(c < 0.0, 1 - d, 1 + d)
+
+    def device_sent(self, c, q, ops):
+        s = ops.float32(ops.state)
+        if not self.option_values["error_feedback"]:  # what the scale clipped, no noise
+            return ops.copysign(ops.minimum(ops.abs(c), s), c)
+        return s * ops.float32(q - 1)
+
+    def device_gathered(self, grad, c, ops):
+        """_clip_stat of max |c| and of sum c, sum c^2 added in the kernels' order."""
+        v = ops.float64(c)
+        top = ops.max(ops.abs(v))
+        if self.clip_sigma > 0:
+            n = c.shape[0]
+            sums = ops.chunk_sums(ops.stack([v, v * v], 1), ops.k)
+            mean = ops.divide(sums[0], n)
+            std = ops.sqrt(ops.maximum(ops.divide(sums[1], n) - mean * mean, 0.0))
+            top = ops.minimum(top, std * self.clip_sigma)
+        return ops.float64(ops.float32(top)).reshape(1)
+
+    def device_agree(self, gathered, ops):
+        return ops.float64(ops.float32(ops.max(gathered[:, 0])))
+
+    def device_values(self, d, num_workers, ops):
+        return ops.float32(ops.float64(d - num_workers) * ops.state)
+
+    def adopt_device_state(self, state):
+        self.scale = float(state)
+
 
 @register(reference=True)
 class TernGradReference(LaneReference, TernGrad):

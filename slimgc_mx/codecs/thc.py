@@ -158,6 +158,82 @@ class THC(SharedScale, LaneCodec):
         kernels().thc_unrotate(v, out, None, None, self._sign_seed(), self._factor(p),
                                self.num_threads)
 
+    # ------------------------------------------------------------ device path (DeviceOps)
+    def device_state(self, size, ops):
+        """M of this push, a float32 0-dim array."""
+        return ops.array(np.float32(self.scale), "float32")
+
+    def _device_grid(self, ops):
+        """_grid() on the device: float32 (M, 1/step, step), all 0 while M is 0."""
+        m = ops.state
+        md, gm1 = ops.float64(m), float(self.levels - 1)
+        inv = ops.where(m > 0, ops.float32(ops.divide(gm1, 2.0 * md)), 0.0)
+        step = ops.where(m > 0, ops.float32(ops.divide(2.0 * md, gm1)), 0.0)
+        return m, inv, step
+
+    def levelled_count(self, size):
+        return padded_size(size) if self.hadamard else size
+
+    def _device_signs(self, p, ops):
+        return ops.where(ops.uniform(self._sign_seed(), p) < 0.5, 1.0, -1.0)
+
+    def _device_fwht(self, x, ops):
+        h = 1
+        while h < x.shape[0]:
+            x = ops.butterfly(x, h)
+            h *= 2
+        return x
+
+    def device_transform(self, c, ops):
+        """With hadamard: y = f * H(D c) zero-padded to P (the kernels' thc_rotate)."""
+        if not self.hadamard:
+            return None
+        n = c.shape[0]
+        p = padded_size(n)
+        y = ops.pad(self._device_signs(p, ops)[:n] * c, p)
+        return self._device_fwht(y, ops) * float(self._factor(p))
+
+    def device_untransform(self, v, size, ops):
+        """With hadamard: D (f * H v), the first `size` elements (thc_unrotate)."""
+        if not self.hadamard:
+            return v
+        p = v.shape[0]
+        t = self._device_fwht(v, ops)
+        return (self._device_signs(p, ops) * (t * float(self._factor(p))))[:size]
+
+    def transform_overflow(self, grad, residual):
+        _rotation_overflow(grad, residual)
+
+    def device_levels(self, y, ops):
+        m, inv, _ = self._device_grid(ops)
+        gm1 = float(self.levels - 1)
+        x = ops.minimum((ops.minimum(ops.maximum(y, -m), m) + m) * inv, gm1)
+        low = ops.floor(x)
+        return ops.to_level(low) + ops.level(ops.uniform(self.push_seed(), y.shape[0])
+                                             < x - low)
+
+    def device_sent(self, y, q, ops):
+        # step * (q - (g-1)/2) in float32: the one-worker value bit for bit (the kernel's)
+        _, _, step = self._device_grid(ops)
+        return step * (ops.float32(q) - 0.5 * (self.levels - 1))
+
+    def device_gathered(self, grad, y, ops):
+        return ops.float64(ops.max(ops.abs(y))).reshape(1)
+
+    def device_agree(self, gathered, ops):
+        m = ops.float32(ops.max(gathered[:, 0]))
+        # a range whose inverse step overflows float32 counts as 0 (_agree)
+        tiny = (m != 0) & (ops.divide(float(self.levels - 1), 2.0 * ops.float64(m)) > FLT_MAX)
+        return ops.where(tiny, 0.0, m)
+
+    def device_values(self, d, num_workers, ops):
+        _, _, step = self._device_grid(ops)
+        b = -(self.levels - 1) / 2.0
+        return ops.float32((ops.float64(d) + num_workers * b) * ops.float64(step))
+
+    def adopt_device_state(self, state):
+        self.scale = float(np.float32(state))
+
 
 def _rotation_overflow(grad, residual):
     """Raise for a non-finite rotation: a NaN/Inf input, or finite values near float32's

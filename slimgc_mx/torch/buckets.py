@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from .device import TorchDeviceCodec
+from .device import _DTYPES, TorchDeviceCodec
 from .framework import _constructor_args
 
 
@@ -22,9 +22,12 @@ class BucketSpec:
 def plan_buckets(named, group_of, codec, comm_threshold, cap_bytes):
     """The buckets of `named` ((name, parameter) pairs): reverse order; one param group and
     one kind (compressed or full precision) per bucket; a bucket closes before it would pass
-    `cap_bytes`; a codec with a per-tensor statistic (1bit's scale, 4bit's group) gets one
-    bucket per compressed tensor, so its statistic stays the tensor's own."""
-    per_tensor = codec is not None and codec.trailer_lanes > 0
+    `cap_bytes`; a codec whose values depend on more than each element's own (1bit's
+    scale and 4bit's group, terngrad's and thc's maximum, qsgd's norms, the random draws of
+    those and of randomk, keyed by the tensor's seed) gets one bucket per compressed tensor,
+    so that its statistic, draws and state stay the tensor's own, as the host path's per
+    key; only one that encodes element by element (encodes_by_piece: 2bit) fuses tensors."""
+    per_tensor = codec is not None and not codec.traits.encodes_by_piece
     specs, run, run_key, run_bytes = [], [], None, 0
     for i in reversed(range(len(named))):
         p = named[i][1]
@@ -64,7 +67,7 @@ class Bucket:
         if self.codec is not None:
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
             n = codec.lane_count(self.numel, num_workers)
-            self.lanes = torch.zeros(n, dtype=torch.float64, device=device)
+            self.lanes = torch.zeros(n, dtype=_DTYPES[codec.wire_dtype], device=device)
         else:
             self.residual = None
             self.lanes = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -98,9 +101,10 @@ class Bucket:
             for p in self.params:
                 self.local.state.pop(p, None)
 
-    def encode(self, grads, num_workers, flag):
+    def encode(self, grads, num_workers, flag, rank=0):
         """This rank's gradient, with error feedback, into the lanes (full precision: copied
-        in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual) is not finite."""
+        in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual) is not finite;
+        a gathered codec's values go into slot `rank`."""
         with torch.no_grad():
             if self.codec is None:
                 torch.cat([g.reshape(-1) for g in grads], out=self.lanes)
@@ -109,8 +113,9 @@ class Bucket:
             flat = torch.cat([g.reshape(-1) for g in grads])
             n = self.codec.codec.lane_count(self.numel, num_workers)  # 4bit's moves
             if self.lanes.numel() != n:
-                self.lanes = torch.zeros(n, dtype=torch.float64, device=flat.device)
-            self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag)
+                self.lanes = torch.zeros(n, dtype=self.lanes.dtype, device=flat.device)
+            self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag,
+                              rank=rank)
 
     def decode(self, num_workers, counts):
         """The summed lanes -> the mean gradient (mean, until global_step)."""
@@ -121,8 +126,9 @@ class Bucket:
                 return
             self.codec.decode(self.lanes, self.numel, num_workers, out=self.mean,
                               checked=False)
-            if self.codec.codec.trailer_lanes and self.lanes.is_cuda:
+            if getattr(self.codec.codec, "trailer_lanes", 0) and self.lanes.is_cuda:
                 counts.host_syncs += 1  # the statistic read back (1bit's scale, 4bit's group)
+            # (gathered values, terngrad's, qsgd's, thc's, stay on the device: no read)
             self.mean.div_(num_workers)
 
     def global_step(self):

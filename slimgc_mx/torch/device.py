@@ -7,13 +7,19 @@ residual are bitwise those of the Cython kernels given the same state, so some k
 be compressed here and others on the CPU and the sums still decode exactly; the trailer
 lane (1bit's scale, 4bit's group) excepted, a float64 mean summed in another order. Each
 codec gives its levels once in DeviceOps (LaneCodec.device_levels, in the codec's own
-file), here TorchOps;
-this module compensates, feeds back, packs and unpacks. The codec instance holds the
-shared state; decode() updates it exactly like LaneCodec.decode().
+file), here TorchOps; a codec with gathered values (terngrad, qsgd, thc) gives its whole
+push there (LaneCodec.device_state ... device_agree), its gathered values bitwise the
+kernel's too (their sums added in the kernels' order, its random draws the kernels' RNG).
+This module compensates, feeds back, packs and unpacks. The codec instance holds the
+shared state; decode() updates it exactly like LaneCodec.decode() (a gathered codec's may
+stay on the device instead: TorchDeviceCodec). randomk sends float32 values, not lanes:
+its device_encode and device_decode (codecs/randomk.py) run here alike.
 
 Host synchronisations: encode reads one value (is every grad + residual finite: the
-NaN/Inf policy must raise before residual or out is touched) and copies the lanes out;
-decode reads one (are the lanes in range) and copies the values out.
+NaN/Inf policy must raise before residual or out is touched; thc's rotation a second: is
+it finite) and copies the lanes out; decode reads one (are the lanes in range; the
+gathered values too) and copies the values out. With encode's `flag` and decode's
+checked=False (the device path) neither reads anything, 1bit's and 4bit's trailer apart.
 """
 import time
 import warnings
@@ -22,8 +28,10 @@ import numpy as np
 import torch
 
 from .. import codecs
+from ..codecs import rng
 from ..codecs.base import check_num_workers, raise_nonfinite
 from ..codecs.lanes import EXACT_LIMIT, ConstCache, LaneCodec
+from ..codecs.layout import CHUNK_LANES
 
 _DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
@@ -68,11 +76,41 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-class TorchOps:
-    """codecs.lanes.DeviceOps in torch ops on `device`: levels are int64 tensors."""
+def _signed(x):
+    """The int64 whose bits are those of the uint64 x."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
 
-    def __init__(self, consts, device):
+
+def _srl(x, s):
+    """Logical right shift of int64 bits: the arithmetic shift with the sign bits masked off."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_GOLDEN = _signed(rng._GOLDEN)
+
+
+def _mix64(x):
+    """rng._hash (SplitMix64's finalizer) on int64 tensors: int64 products wrap as uint64's."""
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    return x ^ _srl(x, 31)
+
+
+class TorchOps:
+    """codecs.lanes.DeviceOps in torch ops on `device`: levels are int64 tensors.
+
+    Float arithmetic stays in the dtype of its operands, one rounding per op as in the
+    kernels (eager torch fuses nothing); a division is always of two device tensors (CUDA
+    multiplies by the reciprocal of a host scalar). Ordered sums rely on torch.cumsum along
+    a dimension that is not the last: a plain loop per column on the CPU and in ATen's CUDA
+    scan of an outer dimension, so each sum is added in order as the kernels add it.
+    """
+
+    def __init__(self, consts, device, state=None, k=None):
         self._consts, self._device = consts, device
+        self.state, self.k = state, k
 
     @staticmethod
     def level(mask):
@@ -89,36 +127,171 @@ class TorchOps:
         return self._consts.get(kind, self._device, params, lambda: torch.tensor(
             values, dtype=torch.int64, device=self._device))
 
+    # -- the gathered codecs' ops
+    def array(self, values, dtype):
+        values = np.asarray(values, dtype=dtype)
+        if not values.any():  # made on the device: no copy (the first push's zeros)
+            return torch.zeros(values.shape, dtype=_DTYPES[values.dtype], device=self._device)
+        return torch.as_tensor(values, device=self._device)
+
+    def _tensor(self, x, like):
+        if isinstance(x, torch.Tensor):
+            return x
+        return torch.full((), x, dtype=like.dtype, device=like.device)
+
+    def divide(self, a, b):
+        if not isinstance(a, torch.Tensor):
+            a = self._tensor(a, b)
+        return torch.div(a, self._tensor(b, a))
+
+    def minimum(self, a, b):
+        return torch.minimum(a, self._tensor(b, a))
+
+    def maximum(self, a, b):
+        return torch.maximum(a, self._tensor(b, a))
+
+    copysign = staticmethod(torch.copysign)
+    floor = staticmethod(torch.floor)
+    sqrt = staticmethod(torch.sqrt)
+    stack = staticmethod(torch.stack)
+
+    @staticmethod
+    def max(x, axis=None):
+        return torch.amax(x) if axis is None else torch.amax(x, dim=axis)
+
+    @staticmethod
+    def float32(x):
+        return x.to(torch.float32)
+
+    @staticmethod
+    def float64(x):
+        return x.to(torch.float64)
+
+    @staticmethod
+    def to_level(x):
+        return x.to(torch.int64)
+
+    @staticmethod
+    def to_host(x):
+        return x.detach().cpu().numpy()
+
+    def arange(self, count):
+        return torch.arange(count, dtype=torch.int64, device=self._device)
+
+    @staticmethod
+    def pad(x, count):
+        n = x.shape[0]
+        return torch.cat([x, x.new_zeros(count - n)]) if count > n else x
+
+    @staticmethod
+    def repeat(x, times, count):
+        return x.repeat_interleave(times)[:count]
+
+    def scatter(self, count, index, values):
+        out = values.new_zeros(count)
+        out[index] = values
+        return out
+
+    def uniform(self, seed, count):
+        """rng.uniform(seed, 0, count): one hash per pair of elements, its bits 0..23 for
+        the even element and 40..63 for the odd one, times 2**-24."""
+        pairs = self.arange(-(-count // 2))
+        h = _mix64(_signed(seed) + pairs * _GOLDEN)
+        drawn = torch.stack((h & 0xFFFFFF, _srl(h, 40)), dim=1).reshape(-1)[:count]
+        return drawn.to(torch.float32) * (2.0 ** -24)
+
+    @staticmethod
+    def run_sums(x, run, width):
+        rows = -(-x.shape[0] // width)
+        runs = -(-rows // run)
+        x = TorchOps.pad(x.reshape(-1), runs * run * width).view(runs, run, width)
+        if runs * width == 1:  # a scan over every element would be CUDA's parallel one
+            x = torch.cat([x, torch.zeros_like(x)], dim=2)
+        return torch.cumsum(x, dim=1)[:, -1, :width]
+
+    def chunk_sums(self, columns, k):
+        n, w = columns.shape
+        if n == 0:
+            return columns.new_zeros(w)
+        parts = self.run_sums(columns.reshape(-1), CHUNK_LANES * k, w)
+        return self.run_sums(parts.reshape(-1), parts.shape[0], w)[0]
+
+    @staticmethod
+    def butterfly(x, h):
+        v = x.view(-1, 2, h)
+        a, b = v[:, 0, :], v[:, 1, :]
+        return torch.stack((a + b, a - b), dim=1).reshape(-1)
+
 
 class TorchDeviceCodec:
     """Runs `codec`'s encode/decode with torch ops; the codec keeps the shared state.
 
     As a key's `device` (encode_key / decode_key) it also keeps the key's residual on the
     gradient's device: see residual_to_host() for when the host copy is current.
+
+    A codec with gathered values (terngrad's and thc's maximum, qsgd's norms) gets its next
+    push's state from the summed slots. decode() with checked=True reads them to the host
+    and sets the codec's state as Codec.decode() does; with checked=False (the device path)
+    the state stays a device tensor that the next encode reads, no host synchronisation,
+    and the codec's own copy of it is brought up to date only by state_dict() (a host
+    read, at a checkpoint).
     """
 
     def __init__(self, codec, copies=None):
         if not self.supports(codec):
             name = getattr(codec, "name", type(codec).__name__)
             raise ValueError("TorchDeviceCodec supports lane codecs with torch levels (1bit, "
-                             "2bit, 4bit), got %r; compress it on the CPU (offload on)"
-                             % (name,))
+                             "2bit, 4bit, terngrad, qsgd, thc, randomk), got %r; compress it on "
+                             "the CPU (offload on)" % (name,))
         self.codec = codec
         self.copies = copies  # a device model's copies.Copies: encode_key's work counted
         self.residual = None  # the key's residual on a CUDA device (encode_key), or None
         self.device = torch.device("cpu")  # where the last encode ran: decode_key runs there
         self._consts = ConstCache()
+        self._state = None  # a gathered codec's shared state on the device, or None
+        self._stale = False  # the codec's host state lags self._state (device_agree's)
+        self.encode_syncs = 0  # host synchronisations of the last encode (finite checks)
 
     @staticmethod
     def supports(codec):
-        """True for a float64 lane codec with torch levels and no gathered trailer."""
-        return (isinstance(codec, LaneCodec) and codec.levels is not None
-                and type(codec).device_levels is not LaneCodec.device_levels
-                and not codec.gathered and codec.rounds == 1
-                and codec.wire_dtype == np.float64)
+        """True for a float64 lane codec with torch levels (its gathered values, if any,
+        agreed on the device: device_agree), or a codec whose one summed round of values
+        has device_encode and device_decode (randomk)."""
+        if isinstance(codec, LaneCodec):
+            return (codec.levels is not None
+                    and type(codec).device_levels is not LaneCodec.device_levels
+                    and (not codec.gathered
+                         or type(codec).device_agree is not LaneCodec.device_agree)
+                    and codec.rounds == 1 and codec.wire_dtype == np.float64)
+        return (callable(getattr(codec, "device_encode", None))
+                and callable(getattr(codec, "device_decode", None))
+                and getattr(codec, "rounds", None) == 1
+                and getattr(codec, "wire_dtype", None) in _DTYPES)
 
     def __repr__(self):
         return "TorchDeviceCodec(%r)" % (self.codec,)
+
+    # ------------------------------------------------------------ shared state
+    def state_dict(self):
+        """The codec's state_dict(), its gathered state first read from the device where
+        decode kept it there (one host synchronisation)."""
+        if self._stale:
+            self.codec.adopt_device_state(self._state.detach().cpu().numpy())
+            self._stale = False
+        return self.codec.state_dict()
+
+    def load_state_dict(self, state):
+        """The codec's load_state_dict(); the next encode takes the state from it."""
+        self.codec.load_state_dict(state)
+        self._state, self._stale = None, False
+
+    def _device_state(self, size, device):
+        """The shared state of the next push on `device` (a gathered codec's), or None."""
+        if self._state is not None and self._stale:
+            if self._state.device != device:
+                self._state = self._state.to(device)
+            return self._state
+        return self.codec.device_state(size, TorchOps(self._consts, device))
 
     # ------------------------------------------------------------ as a key's device
     def encode_key(self, b, grad, num_workers, rank, send):
@@ -127,10 +300,10 @@ class TorchDeviceCodec:
             raise TypeError("grad must be a torch tensor, got %s" % type(grad).__name__)
         residual = self._key_residual(b, grad.device)
         out = send.for_write()
-        self.encode(grad, residual, num_workers, out=out)
-        if self.copies is not None and grad.is_cuda:  # the finite check, the lanes' copy
+        self.encode(grad, residual, num_workers, out=out, rank=rank)
+        if self.copies is not None and grad.is_cuda:  # the finite checks, the lanes' copy
             self.copies.counts.d2h_bytes += out.nbytes
-            self.copies.counts.host_syncs += 2
+            self.copies.counts.host_syncs += self.encode_syncs + 1
 
     def decode_key(self, b, num_workers, recv):
         """Decode the summed lanes in `recv` (its bit_sum) into its agg, on the device of
@@ -183,19 +356,21 @@ class TorchDeviceCodec:
 
     # ------------------------------------------------------------ encode
     @torch.no_grad()
-    def encode(self, grad, residual, num_workers, out, flag=None):
+    def encode(self, grad, residual, num_workers, out, flag=None, rank=0):
         """Compensate, quantize, pack into `out` (float64 lanes); residual updated in place.
 
         grad: float32 tensor of any shape; residual: float32 tensor with as many elements on
         grad's device; out: a float64 tensor (any device) or NumPy array (host) of
         codec.lane_count() elements, filled by one copy. Raises NonFiniteGradientError
         before touching residual or out; with `flag` (a 0-dim tensor on grad's device) it
-        writes there whether grad + residual holds NaN/Inf instead, without a host
-        synchronisation, and encodes anyway (the device path reads the flag later).
+        writes there whether grad + residual (or thc's rotation of it) holds NaN/Inf
+        instead, without a host synchronisation, and encodes anyway (the device path reads
+        the flag later). rank: this worker's slot of gathered values.
         """
         codec = self.codec
         n_workers = check_num_workers(num_workers)
-        radix, k = codec.geometry(n_workers)
+        lanes = isinstance(codec, LaneCodec)
+        radix, k = codec.geometry(n_workers) if lanes else (None, None)
         if not isinstance(grad, torch.Tensor):
             raise TypeError("grad must be a torch tensor, got %s" % type(grad).__name__)
         g = _flat(grad, "grad", np.float32)
@@ -205,24 +380,45 @@ class TorchDeviceCodec:
                             % type(residual).__name__)
         r = _flat(residual, "residual", np.float32, size, written=True)
         n_total = codec.lane_count(size, n_workers)
-        dst = _flat(out, "out", np.float64, n_total, written=True)
+        dst = _flat(out, "out", codec.wire_dtype, n_total, written=True)
         device = g.device
         if r.device != device:
             raise ValueError("residual must be on grad's device %s, got %s; move it with "
                              "residual.to('%s')" % (device, r.device, device))
-        n_lanes = n_total - codec.trailer_lanes
+        if not lanes:
+            return self._encode_values(g, r, out, dst, flag)
+        t = codec.gathered_count(size)
+        if t and not 0 <= rank < n_workers:
+            raise ValueError("rank must be in 0..%d, got %r" % (n_workers - 1, rank))
+        n_lanes = n_total - codec.trailer_lanes - n_workers * t
         if not size:
-            if codec.trailer_lanes:
+            if codec.trailer_lanes or t:  # every statistic of no element is 0
                 dst.fill_(0.0)
             return out
         c = g + r
+        bad = ~torch.isfinite(c).all()
+        self.encode_syncs = 0
+        if flag is None:
+            self.encode_syncs += 1
+            if bool(bad):  # the one host synchronisation
+                raise_nonfinite(g.detach().cpu().numpy(), r.detach().cpu().numpy())
+        ops = TorchOps(self._consts, device, self._device_state(size, device), k)
+        x = codec.device_transform(c, ops)
+        if x is not None:  # thc's rotation: finite values may overflow in it
+            bad_x = ~torch.isfinite(x).all()
+            if flag is None:
+                self.encode_syncs += 1  # a second one
+                if bool(bad_x):
+                    codec.transform_overflow(g.detach().cpu().numpy(),
+                                             r.detach().cpu().numpy())
+            bad = bad | bad_x
+        else:
+            x = c
         if flag is not None:
-            flag.copy_(~torch.isfinite(c).all())
-        elif not bool(torch.isfinite(c).all()):  # the one host synchronisation
-            raise_nonfinite(g.detach().cpu().numpy(), r.detach().cpu().numpy())
-        q = codec.device_levels(c, TorchOps(self._consts, device))
+            flag.copy_(bad)
+        q = codec.device_levels(x, ops)
         parts = []
-        pad = n_lanes * k - size
+        pad = n_lanes * k - q.numel()
         # Digits past the end are 0, as the kernels pack only the real elements; the
         # int64 products and sums are the lanes' exact integers (below 2**53).
         digits = torch.cat([q, q.new_zeros(pad)]) if pad else q
@@ -231,8 +427,36 @@ class TorchDeviceCodec:
         if codec.trailer_lanes:
             src = codec.device_statistic(g, c)
             parts.append((src.abs().to(torch.float64).sum() / size).reshape(1))
-        torch.sub(c, self._own(device)[q], out=r)
+        if t:
+            slots = torch.zeros(n_workers * t, dtype=torch.float64, device=device)
+            slots[rank * t:(rank + 1) * t] = codec.device_gathered(g, x, ops)
+            parts.append(slots)
+        sent = codec.device_sent(x, q, ops)
+        if sent is None:
+            sent = self._own(device)[q]
+        if x is not c:
+            sent = codec.device_untransform(sent, size, ops)
+        torch.sub(c, sent, out=r)
         dst.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return out
+
+    def _encode_values(self, g, r, out, dst, flag):
+        """encode() of a codec that sends values (randomk): device_encode's values into dst,
+        the residual c - what they send."""
+        self.encode_syncs = 0
+        if not g.numel():
+            return out
+        c = g + r
+        bad = ~torch.isfinite(c).all()
+        if flag is not None:
+            flag.copy_(bad)
+        else:
+            self.encode_syncs += 1
+            if bool(bad):  # the one host synchronisation
+                raise_nonfinite(g.detach().cpu().numpy(), r.detach().cpu().numpy())
+        values, sent = self.codec.device_encode(c, TorchOps(self._consts, g.device))
+        torch.sub(c, sent, out=r)
+        dst.copy_(values)
         return out
 
     # ------------------------------------------------------------ decode
@@ -242,19 +466,27 @@ class TorchDeviceCodec:
 
         lanes_sum: float64 tensor or NumPy array of codec.lane_count() elements; out: a
         float32 tensor or NumPy array; the work runs on `device` (default: lanes_sum's,
-        the CPU for NumPy). Updates the codec's shared state from the trailer lane like
+        the CPU for NumPy). Updates the codec's shared state from the trailer like
         Codec.decode(); raises ValueError, writing nothing, for lanes no sum could give,
         unless checked=False (no host synchronisation: the device path's lanes are this
-        codec's own, summed by the job's group).
+        codec's own, summed by the job's group; a gathered codec's next state then stays
+        on the device, see the class).
         """
         codec = self.codec
         n_workers = check_num_workers(num_workers)
-        radix, k = codec.geometry(n_workers)
         n_total = codec.lane_count(size, n_workers)
-        x_all = _flat(lanes_sum, "lanes_sum", np.float64, n_total)
+        x_all = _flat(lanes_sum, "lanes_sum", codec.wire_dtype, n_total)
         dst = _flat(out, "out", np.float32, size, written=True)
         device = x_all.device if device is None else torch.device(device)
-        n_lanes = n_total - codec.trailer_lanes
+        if not isinstance(codec, LaneCodec):  # values (randomk): scattered where they came
+            if size:
+                dst.copy_(codec.device_decode(x_all.to(device), size,
+                                              TorchOps(self._consts, device)))
+            codec.pushes += 1
+            return out
+        radix, k = codec.geometry(n_workers)
+        t = codec.gathered_count(size)
+        n_lanes = n_total - codec.trailer_lanes - n_workers * t
         stat = None
         if codec.trailer_lanes:
             last = float(x_all[n_total - 1])
@@ -263,6 +495,15 @@ class TorchDeviceCodec:
                 raise ValueError("%s: the trailer lane sums to %r, not a finite statistic >= 0; "
                                  "the lanes were not produced by this codec"
                                  % (codec.name, last))
+        gathered = None
+        if t:
+            gathered = x_all[n_lanes:].to(device).view(n_workers, t)
+            if checked:
+                stat = gathered.cpu().numpy()
+                if not np.isfinite(stat).all():
+                    raise ValueError("%s: the gathered trailer holds NaN/Inf; the lanes were "
+                                     "not produced by this codec" % codec.name)
+        ops = TorchOps(self._consts, device, None, k)
         if size:
             x = x_all[:n_lanes].to(device)
             bad = ~((x >= 0) & (x < float(EXACT_LIMIT))) if checked else None  # NaN too
@@ -272,12 +513,24 @@ class TorchDeviceCodec:
                                  % int(bad.sum()))
             xi = x.to(torch.int64).unsqueeze(1)
             d = (torch.div(xi, self._powers(device, radix, k), rounding_mode="floor")
-                 % radix).reshape(-1)[:size]
-            scale, a, b = codec._affine()
-            # float32(double(scale) * (a*D + N*b)), the integer part exact (affine_values).
-            values = ((d * a + n_workers * b).to(torch.float64) * float(scale))
+                 % radix).reshape(-1)
+            if codec.gathered:
+                ops.state = self._device_state(size, device)
+                d = d[:codec.levelled_count(size)]
+                values = codec.device_untransform(codec.device_values(d, n_workers, ops),
+                                                  size, ops)
+            else:
+                scale, a, b = codec._affine()
+                # float32(double(scale) * (a*D + N*b)), the integer part exact (affine_values).
+                values = ((d[:size] * a + n_workers * b).to(torch.float64) * float(scale))
             dst.copy_(values.to(torch.float32))
-        codec._agreed(stat)
+        if gathered is not None and not checked:
+            self._state, self._stale = codec.device_agree(gathered, ops), True
+            codec._agreed(None)  # the push counted; the state is self._state
+        else:
+            if gathered is not None:
+                self._state, self._stale = None, False  # the host's from here on
+            codec._agreed(stat)
         return out
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import codecs, notice
+from ..codecs.rng import key_seed
 from ..engine.offload import NonFiniteAggregateError
 from ..engine.step_clip import EPS
 from .collective import Collectives, Rider
@@ -55,7 +56,7 @@ def lacks(config, optimizer):
     if codec is not None:
         if not TorchDeviceCodec.supports(codec):
             return ("compression=%r has no torch-ops version yet (the device path serves "
-                    "none, 1bit, 2bit and 4bit)" % config.compressor)
+                    "none, 1bit, 2bit, 4bit, terngrad, qsgd, thc and randomk)" % config.compressor)
     for name in ("loc_lr", "loc_optimizer", "trace"):
         if getattr(config, name) is not None:
             return "%s is the host path's option" % name
@@ -127,8 +128,7 @@ class DevicePath:
             raise ValueError("comm_threshold=%r: the device path takes a size in bytes or "
                              "'off' (a saved CTTab decision is the host path's)" % (threshold,))
         cap = float(BUCKET_CAP_MB if cap_mb is None else cap_mb) * 2 ** 20
-        self.buckets = [Bucket(s, named, optimizer,
-                               codec.clone() if (codec is not None and s.compressed) else None,
+        self.buckets = [Bucket(s, named, optimizer, _bucket_codec(codec, s, config.seed),
                                self.num_workers)
                         for s in plan_buckets(named, group_of, codec, threshold, cap)]
         device = named[0][1].device
@@ -255,7 +255,7 @@ class DevicePath:
         b.settings(self.optimizer.param_groups[b.spec.group])
         if backup:
             b.local_step(grads if local_scale is None else [g * local_scale for g in grads])
-        b.encode(grads, self.num_workers, self.tail[j])
+        b.encode(grads, self.num_workers, self.tail[j], self.rank)
         b.work = self._sum(b.lanes)
         b.step = self.step_count
 
@@ -496,7 +496,7 @@ class DevicePath:
                         "glo_buf": _to_cpu(b.glo),
                         "residual": _to_cpu(b.residual),
                         "optimizer": _to_cpu(state),
-                        "codec": None if b.codec is None else b.codec.codec.state_dict()})
+                        "codec": None if b.codec is None else b.codec.state_dict()})
         return {"buckets": out, "step": self.step_count}
 
     def load_state_dict(self, state):
@@ -512,7 +512,7 @@ class DevicePath:
                 b.glo.copy_(s["glo_buf"])
                 if b.residual is not None:
                     b.residual.copy_(s["residual"])
-                    b.codec.codec.load_state_dict(s["codec"])
+                    b.codec.load_state_dict(s["codec"])
                 b.shadow.load_state_dict(s["optimizer"])
                 b.step = None
                 b.work = None
@@ -534,6 +534,17 @@ class DevicePath:
             self._tail_work = None
         if self._wire is not None:
             self._wire.settle(self.config.timeout)  # Gloo lets go before the group does
+
+
+def _bucket_codec(codec, spec, job_seed):
+    """Bucket `spec`'s codec: a clone of `codec` (None for full precision), its random
+    draws keyed as the host path keys its first tensor's (parameter i is key i there), so
+    that a bucket of one tensor draws what that key draws."""
+    if codec is None or not spec.compressed:
+        return None
+    out = codec.clone()
+    out.seed = key_seed(job_seed, spec.indices[0])
+    return out
 
 
 class TailRides:

@@ -1,7 +1,8 @@
 """The device path (data_path='device') on CPU tensors, 2 ranks, against the host path, DDP
 and itself resumed; each rank records what it found.
 
-    device_path.py OUT match      every codec it serves x backup on/off x SGD/Adam: the
+    device_path.py OUT match [CASES]
+                                  every codec it serves x backup on/off x SGD/Adam: the
                                   flushed weights of both paths (and DDP's, full precision)
     device_path.py OUT nan        rank 1's input, so its gradient, is NaN at step 3: the error
     device_path.py OUT settings   rank 1 changes its lr at step 4: the error
@@ -10,7 +11,7 @@ and itself resumed; each rank records what it found.
     device_path.py OUT overlap    buckets started in backward against in step() (backup on
                                   and off, none and 2bit), and with accumulation
     device_path.py OUT resume     state_dict at step 5, resumed in a new optimizer: the
-                                  weights at step 10 of both runs
+                                  weights at step 10 of both runs (2bit, terngrad)
 """
 import sys
 
@@ -33,10 +34,18 @@ def make_opt(net, name):
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
 
+#: The codecs of mode match: (case name, compression, codec options).
+CODECS = [(name, name, {}) for name in ("none", "1bit", "2bit", "4bit", "terngrad", "qsgd",
+                                        "thc", "randomk")] + [
+    ("thc_hadamard", "thc", {"hadamard": True}),
+    ("qsgd_small", "qsgd", {"bucket_size": 4, "levels": 3})]
+
+
 def train(path, compression, backup, optimizer, steps=STEPS, cap=None, hook=None, data=None,
-          overlap=True, accumulate=1):
+          overlap=True, accumulate=1, options=None):
     """The flushed weights after `steps` (None for path: DDP), and the stats. hook(step, net,
-    opt) runs between backward and step(); data(step, x) may change a step's input."""
+    opt) runs between backward and step(); data(step, x) may change a step's input;
+    options: the codec's."""
     net = model()
     if path is None:
         ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -47,7 +56,9 @@ def train(path, compression, backup, optimizer, steps=STEPS, cap=None, hook=None
             F.cross_entropy(ddp(x), y).backward()
             opt.step()
         return weights(net).clone(), {}
-    extra = {"bucket_cap_mb": cap} if cap is not None else {}
+    extra = dict(options or {})
+    if cap is not None:
+        extra["bucket_cap_mb"] = cap
     opt = slimgc.DistributedOptimizer(make_opt(net, optimizer), net, compression=compression,
                                       backup=backup, data_path=path, comm_threshold=1024,
                                       overlap=overlap, **extra)
@@ -77,19 +88,27 @@ def error_of(**kw):
 
 
 if mode == "match":
+    # argv[3], optional: the cases to run (comma-separated names of CODECS), for a quick look
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
     result = {}
-    for compression in ("none", "1bit", "2bit", "4bit"):
+    for name, compression, options in CODECS:
+        if only is not None and name not in only:
+            continue
         for backup in (True, False):
             for optimizer in ("sgd", "adam"):
-                host, _ = train("host", compression, backup, optimizer)
-                device, stats = train("device", compression, backup, optimizer)
-                small, _ = train("device", compression, backup, optimizer, cap=0.001)
-                case = "%s-%s-%s" % (compression, "backup" if backup else "nobackup", optimizer)
+                host, _ = train("host", compression, backup, optimizer, options=options)
+                device, stats = train("device", compression, backup, optimizer,
+                                      options=options)
+                case = "%s-%s-%s" % (name, "backup" if backup else "nobackup", optimizer)
                 result[case] = {"host": digest(host), "device": digest(device),
-                                "small_buckets": digest(small),
                                 "max_diff": float((host - device).abs().max()),
                                 "buckets": stats["buckets"], "data_path": stats["data_path"],
                                 "compressed_buckets": stats["compressed_buckets"]}
+                if stats["compressed_buckets"] > 1:
+                    continue  # one bucket per compressed tensor already: little to cut
+                small, _ = train("device", compression, backup, optimizer, cap=0.001,
+                                 options=options)
+                result[case]["small_buckets"] = digest(small)
     for optimizer in ("sgd", "adam"):
         ddp, _ = train(None, "none", False, optimizer)
         device, _ = train("device", "none", False, optimizer)
@@ -128,9 +147,9 @@ elif mode == "settings":
     record(out, "settings", rank, error=error_of(hook=change))
 
 elif mode == "resume":
-    def run(stop, state=None):
+    def run(stop, state=None, compression="2bit"):
         net = model()
-        opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression="2bit",
+        opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression=compression,
                                           data_path="device", comm_threshold=1024)
         start = 0
         if state is not None:
@@ -149,7 +168,14 @@ elif mode == "resume":
         flushed = weights(net).clone()
         opt.close()
         return params, flushed, saved
-    p1, f1, state = run(10)
-    p2, f2, _ = run(10, state)
-    record(out, "resume", rank, params=[digest(p1), digest(p2)], flushed=[digest(f1), digest(f2)])
+    result = {}
+    for compression in ("2bit", "terngrad"):  # terngrad: its scale kept on the device
+        p1, f1, state = run(10, compression=compression)
+        p2, f2, _ = run(10, state, compression=compression)
+        result[compression] = dict(params=[digest(p1), digest(p2)],
+                                   flushed=[digest(f1), digest(f2)],
+                                   scales=[b["codec"]["scale"] for b in state["device_path"][
+                                       "buckets"] if b["codec"]] if compression == "terngrad"
+                                   else [])
+    record(out, "resume", rank, **result)
 dist.destroy_process_group()
