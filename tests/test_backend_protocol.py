@@ -158,3 +158,19 @@ def test_a_framework_missing_a_member_is_refused_by_name():
     with pytest.raises(TypeError, match="global_update.*local_updater|new_buffer"):
         Aggregator(SlimGCConfig(), LocalTransport(), Lacking())
     assert backend.missing(Lacking(), backend.Framework)[:2] == ["engine_where", "new_buffer"]
+
+
+def test_copy_many_is_each_copy_in_the_destinations_shape():
+    """Arrays.copy_many (a step's write-backs at once) does what copy() does pair by pair."""
+    dsts = [np.zeros((2, 2), np.float32), np.zeros(3, np.float32)]
+    HostArrays.copy_many([(np.arange(4, dtype=np.float32), dsts[0]),
+                          (np.full(3, 5, np.float32), dsts[1])])
+    assert dsts[0].tolist() == [[0, 1], [2, 3]] and dsts[1].tolist() == [5, 5, 5]
+    torch = pytest.importorskip("torch")
+    from slimgc_mx.torch.framework import TorchArrays
+    same = torch.ones(2)
+    outs = [torch.zeros(2, 2), torch.zeros(3), same]
+    TorchArrays().copy_many([(torch.arange(4.0), outs[0]), (np.full(3, 5, np.float32), outs[1]),
+                             (same, same)])
+    assert outs[0].tolist() == [[0, 1], [2, 3]] and outs[1].tolist() == [5, 5, 5]
+    assert same.tolist() == [1, 1]

@@ -307,8 +307,7 @@ class Aggregator:
         if self.clip.active:
             self.clip.seal()
         deferred, self._deferred = self._deferred, []
-        for key, version, outs in deferred:
-            self.backup.write_back(key, version, outs)
+        self.backup.write_back_many(deferred)
 
     # -- collective decisions --------------------------------------------------------------
     def decide_threshold(self):

@@ -149,6 +149,21 @@ class ModelBackup:
         else:
             hold.release(None if failed else slot.stage)
 
+    def write_back_many(self, entries):
+        """write_back() of several (key, step, params) entries, the parameters' copies made
+        by one call of the framework (a step's deferred write-backs, backup off)."""
+        if self._holds:
+            for key, step, params in entries:
+                self.write_back(key, step, params)
+            return
+        pairs = []
+        for key, step, params in entries:
+            self._slots[key].params = params
+            self.wait_version(key, step)
+            glo = self.glo_buf(key)
+            pairs.extend((glo, out) for out in params)
+        self._arrays.copy_many(pairs)
+
     def publish(self, entries, global_update):
         """Aggregation thread: glo_buf <- w_{step+1}, flag 1 -> 0, for each entry.
 

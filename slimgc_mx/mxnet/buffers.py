@@ -183,5 +183,10 @@ class ArrayOps:
     def copy(src, dst):
         copy_array(src, dst)
 
+    @staticmethod
+    def copy_many(pairs):
+        for src, dst in pairs:
+            copy_array(src, dst)
+
     def hold(self, buf):
         return self._engine.hold(buf.nd)

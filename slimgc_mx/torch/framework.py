@@ -66,6 +66,23 @@ class TorchArrays:
             else:
                 dst.copy_(src if src.shape == dst.shape else src.view(dst.shape))
 
+    def copy_many(self, pairs):
+        """Several copies (a fused bucket's write-backs): one multi-tensor copy on the host,
+        where each copy would cost more in Python than in memory."""
+        if self.copies is not None:
+            for src, dst in pairs:
+                self.copy(src, dst)
+            return
+        srcs, dsts = [], []
+        for src, dst in pairs:
+            if src is not dst:
+                src = torch.as_tensor(src)
+                srcs.append(src if src.shape == dst.shape else src.view(dst.shape))
+                dsts.append(dst)
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
+
     def hold(self, buf):
         raise RuntimeError("torch arrays have no engine to hold a writer in (can_hold is False)")
 

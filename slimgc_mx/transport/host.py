@@ -64,5 +64,10 @@ class HostArrays:
     def copy(src, dst):
         np.copyto(dst, np.reshape(src, np.shape(dst)))
 
+    @classmethod
+    def copy_many(cls, pairs):
+        for src, dst in pairs:
+            cls.copy(src, dst)
+
     def hold(self, buf):
         raise RuntimeError("host arrays have no engine to hold a writer in (can_hold is False)")
