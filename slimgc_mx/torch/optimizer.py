@@ -166,10 +166,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        group_of = {}
-        for i, (_, p) in enumerate(named):
-            group_of[i] = next(g for g, group in enumerate(optimizer.param_groups)
-                               if any(q is p for q in group["params"]))
+        group_by_id = {id(q): g for g, group in enumerate(optimizer.param_groups)
+                       for q in group["params"]}  # one pass, not one per parameter
+        group_of = {i: group_by_id[id(p)] for i, (_, p) in enumerate(named)}
         self._named = named
         self._last_step = (None, None)  # step()'s seconds and copy counts, for stats()
         self._model = model
