@@ -2,7 +2,9 @@
 # One entry point for a fresh machine: creates/updates the project venv, builds the
 # Cython kernels, then runs what was asked.
 #
-#   bash scripts/run.sh test [PYTEST_ARGS...]   # the whole test suite (what CI runs)
+#   bash scripts/run.sh test [PYTEST_ARGS...]   # the whole test suite (what CI runs), its
+#                                               # files on min(cores, 4) workers side by side
+#                                               # (SLIMGC_TEST_WORKERS=N; 0: one process)
 #   bash scripts/run.sh test --quick [ARGS...]  # the quick tier, under 2 minutes on 2 cores:
 #                                               # the engine's, codecs' and adapters' unit
 #                                               # tests, pytest -m "not slow" (tests that
@@ -18,7 +20,8 @@
 #   bash scripts/run.sh horovod                 # optional: Horovod 0.28.1 for the benchmark's
 #                                               # horovod-fp32/-fp16 baselines (builds ~2-5 min)
 #
-# Environment: SLIMGC_VENV (default .venv), SLIMGC_PYTHON (default python3.11, else python3).
+# Environment: SLIMGC_VENV (default .venv), SLIMGC_PYTHON (default python3.11, else python3),
+# SLIMGC_TEST_WORKERS (test workers; default min(cores, 4)).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -83,7 +86,11 @@ case "$cmd" in
             system_tools  # the quick tier has no multi-host test
         fi
         [ $# -eq 0 ] && set -- tests
-        exec "$VENV/bin/python" -m pytest -q "${quick[@]}" "$@" ;;
+        # Test files run side by side on min(cores, 4) workers, each file's tests on one
+        # worker (they share launched jobs); SLIMGC_TEST_WORKERS=0 runs them in this process.
+        workers=${SLIMGC_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
+        [ "$workers" -gt 4 ] && workers=4
+        exec "$VENV/bin/python" -m pytest -q -n "$workers" --dist loadfile "${quick[@]}" "$@" ;;
     train)
         setup
         framework=mxnet help=0 prev=
