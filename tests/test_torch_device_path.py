@@ -9,7 +9,7 @@ from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
 from slimgc_mx.torch import buckets, device_path, routes  # noqa: E402
 from torch_launch import Batch, results  # noqa: E402
 
-MODES = ("match", "nan", "settings", "resume", "changed", "overlap")
+MODES = ("match", "nan", "settings", "resume", "changed", "overlap", "cttab")
 SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
 #: torch_jobs/device_path.py's CODECS: each codec it serves, and two with options (thc's
 #: rotation; qsgd's buckets below 8 elements and levels not a power of two).
@@ -100,6 +100,43 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path):
             assert got["flushed"][0] == got["flushed"][1], compression
         scales = r["terngrad"]["scales"]
         assert len(scales) == 5 and all(s > 0 for s in scales), scales
+
+
+@pytest.mark.slow
+def test_the_cttab_routes_each_bucket_alike_on_every_rank(tmp_path):
+    """comm_threshold='auto', a warm-up of 4 steps: every rank adopts rank 0's routes
+    (with its own timings, and with timings that differ between the ranks), the global
+    weights are the same on both ranks, and training goes on after the decision; every
+    bucket in full precision without backup is DDP's step from the warm-up's weights and
+    momentum on; a run resumed mid-warm-up or after the decision routes and trains as the
+    uninterrupted one."""
+    ranks = job(tmp_path, "cttab")
+    r0, r1 = ranks
+    for case in ("measured", "disagree", "full"):
+        for key in ("routes", "flushed", "glo_buf", "phase", "steps"):
+            assert r0[case][key] == r1[case][key], (case, key)
+        assert r0[case]["phase"] == "decided" and r0[case]["steps"] == 10, case
+    measured = r0["measured"]
+    assert len(measured["routes"]) == 6  # 1bit: a bucket per tensor
+    assert set(measured["routes"]) <= {"compressed", "full precision"}
+    assert measured["moved_after"] > 1e-3  # trained after the decision
+    # rank 0 compresses the even buckets, rank 1 would the odd ones: rank 0's on both
+    assert r0["disagree"]["routes"] == ["compressed", "full precision"] * 3
+    assert "rank 0's choice" in r1["disagree"]["reason"]
+    assert "rank 0's choice" not in r0["disagree"]["reason"]
+    full = r0["full"]
+    assert full["routes"] == ["full precision"]  # 2bit: one bucket
+    assert full["moved_after"] > 1e-3
+    for r in ranks:
+        assert r["full"]["ddp_diff"] <= 1e-6, r["full"]["ddp_diff"]
+    for r in ranks:
+        whole = r["resume"]["whole"]
+        assert whole["routes"] == ["compressed", "full precision"] * 3
+        for at, phase in (("2", "warmup"), ("6", "decided")):
+            got = r["resume"][at]
+            assert got["saved_phase"] == phase
+            for key in ("routes", "params", "flushed", "glo_buf"):
+                assert got[key] == whole[key], (at, key)
 
 
 def test_a_bucket_is_compressed_only_where_it_wins_by_the_margin():
