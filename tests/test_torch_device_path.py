@@ -6,10 +6,10 @@ torch = pytest.importorskip("torch")
 
 from slimgc_mx import codecs  # noqa: E402
 from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
-from slimgc_mx.torch import buckets, device_path  # noqa: E402
+from slimgc_mx.torch import buckets, device_path, routes  # noqa: E402
 from torch_launch import Batch, results  # noqa: E402
 
-MODES = ("match", "nan", "settings", "resume", "changed", "overlap")
+MODES = ("match", "nan", "settings", "resume", "changed", "overlap", "cttab")
 SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
 #: torch_jobs/device_path.py's CODECS: each codec it serves, and two with options (thc's
 #: rotation; qsgd's buckets below 8 elements and levels not a power of two).
@@ -100,6 +100,200 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path):
             assert got["flushed"][0] == got["flushed"][1], compression
         scales = r["terngrad"]["scales"]
         assert len(scales) == 5 and all(s > 0 for s in scales), scales
+
+
+@pytest.mark.slow
+def test_the_cttab_routes_each_bucket_alike_on_every_rank(tmp_path):
+    """comm_threshold='auto', a warm-up of 4 steps: every rank adopts rank 0's routes
+    (with its own timings, and with timings that differ between the ranks), the global
+    weights are the same on both ranks, and training goes on after the decision; every
+    bucket in full precision without backup is DDP's step from the warm-up's weights and
+    momentum on; a run resumed mid-warm-up or after the decision routes and trains as the
+    uninterrupted one."""
+    ranks = job(tmp_path, "cttab")
+    r0, r1 = ranks
+    for case in ("measured", "disagree", "full"):
+        for key in ("routes", "flushed", "glo_buf", "phase", "steps"):
+            assert r0[case][key] == r1[case][key], (case, key)
+        assert r0[case]["phase"] == "decided" and r0[case]["steps"] == 10, case
+    measured = r0["measured"]
+    assert len(measured["routes"]) == 6  # 1bit: a bucket per tensor
+    assert set(measured["routes"]) <= {"compressed", "full precision"}
+    assert measured["moved_after"] > 1e-3  # trained after the decision
+    # rank 0 compresses the even buckets, rank 1 would the odd ones: rank 0's on both
+    assert r0["disagree"]["routes"] == ["compressed", "full precision"] * 3
+    assert "rank 0's choice" in r1["disagree"]["reason"]
+    assert "rank 0's choice" not in r0["disagree"]["reason"]
+    full = r0["full"]
+    assert full["routes"] == ["full precision"]  # 2bit: one bucket
+    assert full["moved_after"] > 1e-3
+    for r in ranks:
+        assert r["full"]["ddp_diff"] <= 1e-6, r["full"]["ddp_diff"]
+    for r in ranks:
+        whole = r["resume"]["whole"]
+        assert whole["routes"] == ["compressed", "full precision"] * 3
+        for at, phase in (("2", "warmup"), ("6", "decided")):
+            got = r["resume"][at]
+            assert got["saved_phase"] == phase
+            for key in ("routes", "params", "flushed", "glo_buf"):
+                assert got[key] == whole[key], (at, key)
+
+
+def test_a_bucket_is_compressed_only_where_it_wins_by_the_margin():
+    s = lambda q, fp: {"q": q, "fp": fp}  # noqa: E731
+    assert routes.choose([s(1.0, 1.6), s(1.0, 1.4), None, s(1.0, 0.5)], 0.5) == [
+        True, False, False, False]
+    assert routes.choose([s(2.0, 3.0)], 0.5) == [False]  # a tie goes full precision
+    assert routes.choose([s(2.0, 3.0 + 1e-9)], 0.5) == [True]
+    assert routes.choose([s(1.0, 1.0), s(1.0, 1.01)], 0.0) == [False, True]
+    assert routes.choose([s(None, 1.0), s(1.0, None), {}], 0.0) == [False, False, False]
+
+
+def test_the_warm_up_alternates_keeps_the_fastest_and_decides():
+    r = routes.BucketRoutes([True, False, True], [4000, 16, 400], ["a", "b", "c"],
+                            warmup_steps=4, margin=0.5)
+    assert r.warming and r.route_names() == ["warm-up", "full precision", "warm-up"]
+    assert [r.compressed(0, step) for step in range(4)] == [True, False, True, False]
+    assert not any(r.compressed(1, step) for step in range(4))
+    assert [r.due(step) for step in (3, 4)] == [False, True]
+    for step, (q, fp) in enumerate([(5.0, 9.0), (1.0, 9.0)]):  # bucket 0: q 1 (its fastest)
+        r.record(0, True, q, 2 * step)
+        r.record(0, False, fp, 2 * step + 1)
+        r.record(2, True, 2.0, 2 * step)  # bucket 2: 2 * 1.5 = 3.0, a tie
+        r.record(2, False, 3.0, 2 * step + 1)
+    r.record(1, True, 0.0, 0)  # not a candidate: no samples
+    assert r.samples == [{"q": 1.0, "fp": 9.0}, None, {"q": 2.0, "fp": 3.0}]
+    saved = r.state_dict()
+    assert r.own_routes() == [True, False, False]
+    r.adopt(r.own_routes())
+    assert r.phase == "decided" and not r.due(10)
+    assert r.route_names() == ["compressed", "full precision", "full precision"]
+    assert [r.compressed(j, 11) for j in range(3)] == [True, False, False]
+    r.record(0, True, 0.001, 5)  # after the decision: ignored
+    assert r.samples[0]["q"] == 1.0
+    line = r.summary()
+    assert line.startswith("device path CTTab: 1 of 3 buckets compressed (3.9 KiB of 4.3 KiB)")
+    assert "compressed: a" in line and "full precision: c" in line and "1.50" in line
+    # a checkpoint mid-warm-up restores its samples, one after the decision its routes
+    again = routes.BucketRoutes([True, False, True], [4000, 16, 400], ["a", "b", "c"],
+                                warmup_steps=4, margin=0.5)
+    again.load_state_dict(saved)
+    assert again.warming and again.samples == saved["samples"]
+    again.load_state_dict(r.state_dict())
+    assert again.routes == [True, False, False] and again.phase == "decided"
+    fixed = routes.BucketRoutes([True, False, True], [4000, 16, 400], ["a", "b", "c"],
+                                mode="fixed")
+    assert fixed.phase == "fixed" and not fixed.due(100)
+    assert fixed.route_names() == ["compressed", "full precision", "compressed"]
+    with pytest.raises(ValueError, match="same comm_threshold"):
+        fixed.load_state_dict(saved)
+    # nothing pays: every bucket full precision, and the line says the step is DDP's
+    slow = routes.BucketRoutes([True, True], [40, 40], ["a", "b"], warmup_steps=2)
+    slow.record(0, True, 2.0, 0)
+    slow.record(0, False, 1.0, 1)  # bucket 1: never timed on both routes
+    slow.record(1, True, 0.1, 0)
+    slow.adopt(slow.own_routes())
+    assert slow.routes == [False, False] and "DDP's" in slow.summary()
+    assert "not timed on both routes" in slow.summary()
+
+
+def test_every_rank_adopts_rank_0s_routes():
+    import numpy as np
+
+    class Gathered:
+        num_workers, rank = 2, 1
+
+        def allgather(self, values):
+            self.sent = list(values)
+            return np.array([[1.0, 0.0, 1.0], values])
+    transport = Gathered()
+    assert routes.agree(transport, [False, True, False]) == [True, False, True]
+    assert transport.sent == [0.0, 1.0, 0.0]
+    assert routes.agree(None, [False, True]) == [False, True]  # one process
+    r = routes.BucketRoutes([True, True, True], [4, 4, 4], ["a", "b", "c"], warmup_steps=0)
+    r.adopt(routes.agree(transport, r.own_routes()))  # no samples: all full precision
+    assert r.routes == [True, False, True] and "rank 0's choice" in r.reason
+
+
+def test_a_bucket_in_full_precision_flushes_its_residual_as_the_host_path():
+    """The host path's rule for a key that leaves the compressed route (stages.flush_residual):
+    its full-precision push sends grad + residual, and the residual starts from zero; a
+    bucket the CTTab keeps in full precision flushes once and holds no residual after."""
+    import numpy as np
+    from slimgc_mx.engine import stages
+
+    codec = codecs.create("2bit", threshold=0.5)
+    p = torch.nn.Parameter(torch.zeros(1000))
+    spec = buckets.BucketSpec((0,), 0, True)
+    b = buckets.Bucket(spec, [("p", p)], torch.optim.SGD([p], lr=0.1), codec, 1)
+    flag = torch.zeros((), dtype=torch.float64)
+    g = [torch.randn(1000, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    b.encode([g[0]], 1, flag)  # compressed: the residual keeps what 2bit did not send
+    residual = b.residual.clone()
+    assert b.sent_compressed and residual.abs().max() > 0
+
+    class Array:  # a host buffer
+        def __init__(self, a):
+            self.a = a
+
+        def for_write(self):
+            return self.a
+
+    class HostKey:  # the host path's buffers of one key, its residual pending
+        def __init__(self, grad, memory):
+            self.grad_buf, self.memory = Array(grad), Array(memory)
+            self.residual_pending = True
+
+        def host_residual(self):
+            return self.memory
+    host = HostKey(g[1].numpy().copy(), residual.numpy().copy())
+    stages.flush_residual(host)
+    b.compress = False  # the warm-up's full-precision step
+    b.encode([g[1]], 1, flag)
+    assert not b.sent_compressed
+    assert np.array_equal(b.lanes.numpy(), host.grad_buf.a) and not host.memory.a.any()
+    assert b.residual is not None and not b.residual.any()  # kept: compressed steps follow
+    b.compress = True
+    b.encode([g[2]], 1, flag)
+    residual = b.residual.clone()
+    b.settle(False)  # the CTTab's decision: full precision from now on
+    b.encode([g[3]], 1, flag)
+    assert torch.equal(b.lanes, g[3] + residual) and b.residual is None
+    b.encode([g[0]], 1, flag)
+    assert torch.equal(b.lanes, g[0])  # an uncompressed bucket's lanes from here on
+    assert float(flag) == 0.0
+
+
+def test_a_fixed_threshold_keeps_its_routes_and_auto_warms_up(capsys):
+    """comm_threshold a size or 'off': the routes of build time, no warm-up, as before;
+    'auto': the CTTab's warm-up, said at start, and its decision said once taken."""
+    import slimgc_mx.torch as slimgc
+
+    def train(threshold, steps=3):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 2))
+        opt = slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                          compression="2bit", data_path="device",
+                                          comm_threshold=threshold, warmup_steps=2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            opt.zero_grad()
+            net(torch.randn(8, 64, generator=g)).square().mean().backward()
+            opt.step()
+        stats = opt.stats()
+        opt.close()
+        return stats
+    for threshold in (1024, "off"):
+        stats = train(threshold)
+        assert stats["cttab_phase"] == "fixed"
+        assert "full precision" not in stats["routes"] or threshold == 1024
+    assert "CTTab" not in capsys.readouterr().err
+    stats = train("auto")
+    err = capsys.readouterr().err
+    assert stats["cttab_phase"] == "decided" and len(stats["routes"]) == stats["buckets"]
+    assert "a warm-up of 2 steps" in err and "device path CTTab: " in err
+    assert "no CTTab warm-up yet" not in err
+    assert train("auto", steps=1)["routes"] == ["warm-up"] * stats["buckets"]
 
 
 def _named(*sizes):

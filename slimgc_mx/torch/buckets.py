@@ -64,13 +64,21 @@ class Bucket:
         self.shadow = type(optimizer)(self.glo_views, **args)  # glo_buf's optimizer: the state
         self.local = type(optimizer)(self.params, **args)  # loc_buf's: the state copied in
         self.codec = TorchDeviceCodec(codec) if spec.compressed else None
+        self._q_lanes = self._fp_lanes = None  # each route's lanes (None: not needed)
         if self.codec is not None:
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
             n = codec.lane_count(self.numel, num_workers)
-            self.lanes = torch.zeros(n, dtype=_DTYPES[codec.wire_dtype], device=device)
+            self._q_lanes = torch.zeros(n, dtype=_DTYPES[codec.wire_dtype], device=device)
+            self.lanes = self._q_lanes
         else:
             self.residual = None
-            self.lanes = torch.zeros(self.numel, dtype=torch.float32, device=device)
+            self.lanes = self._fp_lanes = torch.zeros(self.numel, dtype=torch.float32,
+                                                      device=device)
+        # the route of the next encode (the CTTab's, routes.py): the codec, or full precision
+        self.compress = self.codec is not None
+        self.sent_compressed = self.compress  # the route of the lanes last encoded
+        self.final = self.codec is None  # the route is kept from here on (settle())
+        self.timing = None  # the warm-up: (bucket index, route, step, marks) until decoded
         self.mean = None  # the decoded mean gradient, from decode() to global_step()
         self.work = None  # the lanes' sum in flight
         self.step = None  # the step whose sum the lanes hold (None: nothing pending)
@@ -101,19 +109,52 @@ class Bucket:
             for p in self.params:
                 self.local.state.pop(p, None)
 
+    @property
+    def compressed(self):
+        """Whether the bucket takes the codec's route (the next encode's)."""
+        return self.codec is not None and self.compress
+
+    def settle(self, compressed):
+        """The CTTab's decision: the bucket keeps route `compressed` from now on, and lets go
+        of the other route's lanes (a full-precision bucket's residual goes once flushed)."""
+        self.compress = bool(compressed) and self.codec is not None
+        self.final = True
+        if self.compress:
+            self._fp_lanes = None
+        else:
+            self._q_lanes = None
+
     def encode(self, grads, num_workers, flag, rank=0):
-        """This rank's gradient, with error feedback, into the lanes (full precision: copied
-        in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual) is not finite;
-        a gathered codec's values go into slot `rank`."""
+        """This rank's gradient, with error feedback, into the lanes of its route (full
+        precision: copied in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual)
+        is not finite; a gathered codec's values go into slot `rank`."""
+        self.sent_compressed = self.compressed
         with torch.no_grad():
-            if self.codec is None:
+            if not self.sent_compressed:
+                if self._fp_lanes is None:
+                    self._fp_lanes = torch.empty(self.numel, dtype=torch.float32,
+                                                 device=self.glo.device)
+                self.lanes = self._fp_lanes
                 torch.cat([g.reshape(-1) for g in grads], out=self.lanes)
+                if self.residual is not None:
+                    # The host path's rule for a key that leaves the compressed route
+                    # (engine/stages.py flush_residual, codecs/feedback.py): the full-precision
+                    # push sends grad + residual and the residual starts again from zero, so
+                    # the error feedback the compressed steps kept is not lost. A bucket the
+                    # CTTab keeps in full precision flushes once and then holds none.
+                    self.lanes.add_(self.residual)
+                    if self.final:
+                        self.residual = None
+                    else:
+                        self.residual.zero_()
                 flag.copy_(~torch.isfinite(self.lanes).all())
                 return
             flat = torch.cat([g.reshape(-1) for g in grads])
             n = self.codec.codec.lane_count(self.numel, num_workers)  # 4bit's moves
-            if self.lanes.numel() != n:
-                self.lanes = torch.zeros(n, dtype=self.lanes.dtype, device=flat.device)
+            if self._q_lanes is None or self._q_lanes.numel() != n:
+                dtype = _DTYPES[self.codec.codec.wire_dtype]
+                self._q_lanes = torch.zeros(n, dtype=dtype, device=flat.device)
+            self.lanes = self._q_lanes
             self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag,
                               rank=rank)
 
@@ -121,7 +162,7 @@ class Bucket:
         """The summed lanes -> the mean gradient (mean, until global_step)."""
         with torch.no_grad():  # allocated per bucket: one bucket's worth is live at a time
             self.mean = torch.empty(self.numel, dtype=torch.float32, device=self.glo.device)
-            if self.codec is None:
+            if not self.sent_compressed:
                 torch.div(self.lanes, num_workers, out=self.mean)
                 return
             self.codec.decode(self.lanes, self.numel, num_workers, out=self.mean,

@@ -19,6 +19,13 @@ Without backup, 1 runs after every bucket's 4 and the parameters get glo_buf.
 Every bucket's NaN/Inf flag (2**rank) and the step's settings hash (step_check.py) travel
 in one small tail summed after the buckets; it is read before the global update that it
 guards, the step's one host synchronisation, so a poisoned sum writes nothing.
+
+With comm_threshold='auto' (the default) the CTTab chooses each bucket's route (routes.py):
+for config.warmup_steps steps every bucket that can be compressed alternates the codec's
+route and full precision, each timed (CUDA events on the stream that runs them, read once
+at the decision; wall time on the CPU); then each bucket keeps the faster, a compressed one
+only where it wins by cttab_margin, and every rank adopts rank 0's routes. A size in bytes,
+or 'off', fixes the routes at build time (no warm-up).
 """
 import time
 
@@ -34,6 +41,7 @@ from .collective import Collectives, Rider
 from .copies import CopyCounts
 from .buckets import Bucket, plan_buckets
 from .device import TorchDeviceCodec
+from .routes import BucketRoutes, agree
 
 #: DDP's default bucket size.
 BUCKET_CAP_MB = 25.0
@@ -117,12 +125,8 @@ class DevicePath:
         self.counts = CopyCounts()
         codec = make_codec(config)
         threshold = config.comm_threshold
-        if threshold == "auto":
-            notice.tell("the device path has no CTTab warm-up yet: every tensor is "
-                        "compressed (comm_threshold=BYTES sends smaller tensors in full "
-                        "precision)", once=True)
-            threshold = 0
-        elif threshold == "off":
+        auto = threshold == "auto"
+        if threshold in ("auto", "off"):  # auto: every tensor a candidate of the CTTab
             threshold = 0
         elif not isinstance(threshold, (int, float)):
             raise ValueError("comm_threshold=%r: the device path takes a size in bytes or "
@@ -132,6 +136,17 @@ class DevicePath:
                                self.num_workers)
                         for s in plan_buckets(named, group_of, codec, threshold, cap)]
         device = named[0][1].device
+        self._transport = transport  # rank 0's routes gathered over it at the decision
+        self._cuda = device.type == "cuda"
+        self.routes = BucketRoutes([b.codec is not None for b in self.buckets],
+                                   [4 * b.numel for b in self.buckets],
+                                   [_bucket_name(b) for b in self.buckets],
+                                   mode="auto" if auto else "fixed",
+                                   warmup_steps=config.warmup_steps,
+                                   margin=config.cttab_margin)
+        self._spans = []  # CUDA: warm-up samples whose events are read at the decision
+        if self.routes.warming and self.rank == 0:
+            notice.tell(self.routes.opening())
         # the tail: each bucket's NaN/Inf flag, the overlap check, the settings rider
         n_tail = len(self.buckets) + 1 + Rider([0], self.num_workers).slots(np.float64).size
         self.tail = torch.zeros(n_tail, dtype=torch.float64, device=device)
@@ -156,7 +171,6 @@ class DevicePath:
         self.blocked_s = 0.0  # waiting for sums on the host
         self.bytes_pushed = 0
         self.bytes_fp32 = 0
-        self._lanes_bytes = sum(b.lanes.numel() * b.lanes.element_size() for b in self.buckets)
         self._fp32_bytes = 4 * sum(b.numel for b in self.buckets)
         with torch.no_grad():  # rank 0's weights everywhere, as the host path's
             for b in self.buckets:
@@ -250,13 +264,24 @@ class DevicePath:
             self.raise_error()
             if backup:
                 self.finish_pending()
+            if self.routes.due(self.step_count):
+                self._decide()
             self._step_open = True
         b = self.buckets[j]
         b.settings(self.optimizer.param_groups[b.spec.group])
         if backup:
             b.local_step(grads if local_scale is None else [g * local_scale for g in grads])
+        timed = self.routes.warming and b.codec is not None
+        if timed:  # the warm-up: this step's route, timed from the encode to the decode
+            b.compress = self.routes.compressed(j, self.step_count)
+            start = self._mark()
         b.encode(grads, self.num_workers, self.tail[j], self.rank)
         b.work = self._sum(b.lanes)
+        if timed:  # the sum waited for (CUDA: the stream waits), in the warm-up only
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            b.timing = (j, b.sent_compressed, self.step_count, [start, self._mark()])
         b.step = self.step_count
 
     def step(self, grads_of, clip=None):
@@ -302,7 +327,8 @@ class DevicePath:
         self._pending = self.step_count
         self._pending_clip = clip[:2] if clip is not None else None
         self.step_count += 1
-        self.bytes_pushed += self._lanes_bytes
+        self.bytes_pushed += sum(b.lanes.numel() * b.lanes.element_size()
+                                 for b in self.buckets)
         self.bytes_fp32 += self._fp32_bytes
         if not backup:
             self.finish_pending(write_back=True)
@@ -377,15 +403,70 @@ class DevicePath:
         clip, self._pending_clip = self._pending_clip, None
         if clip is not None:  # every mean first: the norm is over all of them
             for b in pending:
-                b.decode(self.num_workers, self.counts)
+                self._decode(b)
             self._clip(pending, *clip)
         for b in pending:
             if clip is None:
-                b.decode(self.num_workers, self.counts)
+                self._decode(b)
             b.global_step()
             b.step = None
             if write_back:
                 b.write_back()
+
+    def _decode(self, b):
+        """Bucket b's sum decoded; in the warm-up, its route's sample completed."""
+        timing, b.timing = b.timing, None
+        if timing is None:
+            b.decode(self.num_workers, self.counts)
+            return
+        start = self._mark()
+        b.decode(self.num_workers, self.counts)
+        j, compressed, step, marks = timing
+        marks += [start, self._mark()]
+        if self._cuda:
+            self._spans.append((j, compressed, step, marks))
+        else:
+            self.routes.record(j, compressed, (marks[1] - marks[0]) + (marks[3] - marks[2]),
+                               step)
+
+    # -- the CTTab (routes.py) -----------------------------------------------------------------
+    def _mark(self):
+        """Now: a CUDA event recorded on the current stream (the one that runs the encode,
+        waits for the sum and decodes), or the wall clock on the CPU."""
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.tail.device))
+        return event
+
+    def _read_spans(self):
+        """CUDA: the warm-up's events read into the samples, after one host synchronisation
+        (the last event: the others were recorded before it on the stream)."""
+        if not self._spans:
+            return
+        self._spans[-1][3][-1].synchronize()
+        self.counts.host_syncs += 1
+        for j, compressed, step, marks in self._spans:
+            for event in marks:
+                if not event.query():  # recorded on another stream
+                    event.synchronize()
+            seconds = (marks[0].elapsed_time(marks[1]) + marks[2].elapsed_time(marks[3])) / 1e3
+            self.routes.record(j, compressed, seconds, step)
+        self._spans = []
+
+    def _decide(self):
+        """End of the warm-up: this rank's routes from its samples, rank 0's adopted by
+        every rank (the host transport's allgather), each bucket settled on its route."""
+        self._read_spans()
+        self.routes.adopt(agree(self._transport, self.routes.own_routes()))
+        self._settle()
+        if self.rank == 0:
+            notice.tell(self.routes.summary())
+
+    def _settle(self):
+        for j, b in enumerate(self.buckets):
+            if b.codec is not None:
+                b.settle(self.routes.routes[j])
 
     def _clip(self, buckets, max_norm, norm_type):
         """The step's mean gradient scaled by min(1, max_norm / (norm + 1e-6)), its norm
@@ -432,10 +513,14 @@ class DevicePath:
 
     def describe(self):
         """Where the step runs and its state lives, as the optimizer says it at start."""
+        if self.routes.warming:
+            kind = "%d to be routed by the CTTab after %d warm-up steps" % (
+                sum(self.routes.candidates), self.routes.warmup_steps)
+        else:
+            kind = "%d compressed" % sum(b.compressed for b in self.buckets)
         return ("data path: device: glo_buf, the optimizer's state and the residuals stay on "
-                "%s, %d buckets (%d compressed) summed over %s%s" % (
-                    self.buckets[0].glo.device, len(self.buckets),
-                    sum(b.codec is not None for b in self.buckets),
+                "%s, %d buckets (%s) summed over %s%s" % (
+                    self.buckets[0].glo.device, len(self.buckets), kind,
                     "NCCL" if self._nccl else "Gloo" if self.group is not None else "no group",
                     "" if self.overlap != "off" else ", started in step()"))
 
@@ -473,11 +558,18 @@ class DevicePath:
 
     def stats(self):
         """What stats() reports of the device path (the codec's work is queued on the
-        device, so it has no host-side encode or transfer times)."""
+        device, so it has no host-side encode or transfer times). routes: each bucket's
+        route ('compressed', 'full precision', or 'warm-up' while the CTTab times both);
+        compressed_buckets counts those that take the codec's route (in the warm-up, on its
+        compressed steps)."""
+        routes = self.routes.route_names()
+        on = [r != "full precision" for r in routes]
         return {"compressor": self.config.compressor, "backup": self.config.backup,
                 "buckets": len(self.buckets),
-                "compressed_buckets": sum(b.codec is not None for b in self.buckets),
-                "compressed_keys": sum(len(b.params) for b in self.buckets if b.codec),
+                "compressed_buckets": sum(on),
+                "compressed_keys": sum(len(b.params) for b, c in zip(self.buckets, on) if c),
+                "routes": routes, "bucket_names": [b.names for b in self.buckets],
+                "cttab_phase": self.routes.phase, "cttab_reason": self.routes.reason,
                 "keys": sum(len(b.params) for b in self.buckets),
                 "steps": self.step_count, "bytes_pushed": self.bytes_pushed,
                 "bytes_pulled": self.bytes_pushed, "bytes_fp32": self.bytes_fp32,
@@ -487,8 +579,10 @@ class DevicePath:
 
     # -- checkpoint state ----------------------------------------------------------------------
     def state_dict(self):
-        """glo_buf, the residual and the global optimizer's state of every bucket (host)."""
+        """glo_buf, the residual and the global optimizer's state of every bucket (host), and
+        the CTTab's routes (in the warm-up: its samples so far)."""
         self.wait()
+        self._read_spans()
         out = []
         for b in self.buckets:
             state = b.shadow.state_dict()
@@ -497,7 +591,7 @@ class DevicePath:
                         "residual": _to_cpu(b.residual),
                         "optimizer": _to_cpu(state),
                         "codec": None if b.codec is None else b.codec.state_dict()})
-        return {"buckets": out, "step": self.step_count}
+        return {"buckets": out, "step": self.step_count, "routes": self.routes.state_dict()}
 
     def load_state_dict(self, state):
         buckets = state["buckets"]
@@ -507,15 +601,29 @@ class DevicePath:
                              "(saved %d buckets, this optimizer has %d): save and load with the "
                              "same model, bucket size and comm_threshold"
                              % (len(buckets), len(mine)))
+        routes = state.get("routes")
+        if routes is not None:
+            self.routes.load_state_dict(routes)
+        elif self.routes.warming:  # saved before the device path had a CTTab: warm up anew
+            self.routes.start = int(state["step"])
         with torch.no_grad():
             for b, s in zip(self.buckets, buckets):
                 b.glo.copy_(s["glo_buf"])
-                if b.residual is not None:
-                    b.residual.copy_(s["residual"])
+                if b.codec is not None:
+                    if s["residual"] is None:  # flushed for good (a full-precision route)
+                        b.residual = None
+                    else:
+                        if b.residual is None:
+                            b.residual = torch.zeros_like(b.glo)
+                        b.residual.copy_(s["residual"])
                     b.codec.load_state_dict(s["codec"])
                 b.shadow.load_state_dict(s["optimizer"])
                 b.step = None
                 b.work = None
+                b.timing = None
+        self._spans = []
+        if not self.routes.warming:
+            self._settle()
         self.step_count = state["step"]
         self._tail_work = self._tail_event = self._pending = self._flags = None
 
@@ -534,6 +642,11 @@ class DevicePath:
             self._tail_work = None
         if self._wire is not None:
             self._wire.settle(self.config.timeout)  # Gloo lets go before the group does
+
+
+def _bucket_name(b):
+    """How messages name a bucket: its first parameter, and how many more it holds."""
+    return b.names[0] + (" (+%d)" % (len(b.names) - 1) if len(b.names) > 1 else "")
 
 
 def _bucket_codec(codec, spec, job_seed):

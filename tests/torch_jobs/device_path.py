@@ -12,6 +12,11 @@ and itself resumed; each rank records what it found.
                                   and off, none and 2bit), and with accumulation
     device_path.py OUT resume     state_dict at step 5, resumed in a new optimizer: the
                                   weights at step 10 of both runs (2bit, terngrad)
+    device_path.py OUT cttab      comm_threshold='auto' (the CTTab's warm-up of 4 steps):
+                                  the routes each rank adopts with its own timings, with
+                                  timings injected that differ between the ranks, forced to
+                                  full precision against DDP from the warm-up's weights on,
+                                  and resumed mid-warm-up and after the decision
 """
 import sys
 
@@ -20,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import slimgc_mx.torch as slimgc
+from slimgc_mx.torch.routes import BucketRoutes
 from common import batch, digest, model, record, weights
 
 out, mode = sys.argv[1], sys.argv[2]
@@ -178,4 +184,113 @@ elif mode == "resume":
                                        "buckets"] if b["codec"]] if compression == "terngrad"
                                    else [])
     record(out, "resume", rank, **result)
+elif mode == "cttab":
+    WARMUP = 4
+
+    def auto_run(compression, backup, steps=10, save_at=None, state=None, at_warmup=None):
+        """SGD with momentum under comm_threshold='auto'; resumed from `state` (taken at
+        step `save_at` of an earlier run) where given; at_warmup(opt, net) runs once the
+        warm-up's steps are done. The flushed weights, the stats and the state saved."""
+        net = model()
+        opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression=compression,
+                                          backup=backup, data_path="device",
+                                          warmup_steps=WARMUP)
+        start, saved = 0, None
+        if state is not None:
+            opt.load_state_dict(state)
+            start = save_at
+        for step in range(start, steps):
+            if step == save_at and state is None:
+                saved = opt.state_dict()
+            if step == WARMUP and at_warmup is not None:
+                at_warmup(opt, net)
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        params = weights(net).clone()
+        opt.flush()
+        stats = opt.stats()
+        glo = torch.cat([b.glo.detach().reshape(-1) for b in opt._device.buckets])
+        opt.close()
+        return {"params": digest(params), "flushed": digest(weights(net).clone()),
+                "glo_buf": digest(glo.clone()), "routes": stats["routes"],
+                "phase": stats["cttab_phase"], "reason": stats["cttab_reason"],
+                "steps": stats["steps"]}, weights(net).clone(), saved
+
+    def injected(times):
+        """BucketRoutes.record with each sample's seconds replaced by times(j, compressed,
+        step) (every BucketRoutes of this process), until restored."""
+        original = BucketRoutes.record
+        BucketRoutes.record = lambda self, j, compressed, seconds, step: original(
+            self, j, compressed, times(j, compressed, step), step)
+        return original
+
+    result = {}
+    # the ranks' own timings (1bit: a bucket per tensor): whatever they choose, alike
+    moved = {}
+
+    def keep(opt, net):
+        moved["at_warmup"] = weights(net).clone()
+    result["measured"], final, _ = auto_run("1bit", True, at_warmup=keep)
+    result["measured"]["moved_after"] = float((final - moved["at_warmup"]).abs().max())
+
+    # timings that differ between the ranks: rank 0 compresses the even buckets, rank 1
+    # would compress the odd ones; both adopt rank 0's
+    original = injected(lambda j, compressed, step: 1.0 if compressed else
+                        (2.0 if (j + rank) % 2 == 0 else 1.0))
+    try:
+        result["disagree"], _, _ = auto_run("1bit", True)
+    finally:
+        BucketRoutes.record = original
+
+    # forced to full precision (the full-precision route timed faster), backup off: from
+    # the warm-up's weights and momentum on, the step is DDP's
+    taken = {}
+
+    def take(opt, net):
+        taken["weights"] = {n: p.detach().clone() for n, p in net.named_parameters()}
+        taken["device_path"] = opt.state_dict()["device_path"]
+    original = injected(lambda j, compressed, step: 2.0 if compressed else 1.0)
+    try:
+        result["full"], device_w, _ = auto_run("2bit", False, at_warmup=take)
+    finally:
+        BucketRoutes.record = original
+    net = model()
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            p.copy_(taken["weights"][n])
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    opt = make_opt(net, "sgd")
+    by_name = dict(net.named_parameters())
+    for b in taken["device_path"]["buckets"]:
+        for k, name in enumerate(b["names"]):
+            opt.state[by_name[name]] = {"momentum_buffer":
+                                        b["optimizer"]["state"][k]["momentum_buffer"].clone()}
+    for step in range(WARMUP, 10):
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    result["full"]["ddp_diff"] = float((weights(net) - device_w).abs().max())
+    result["full"]["moved_after"] = float(
+        (weights(net) - torch.cat([taken["weights"][n].reshape(-1)
+                                   for n, _ in net.named_parameters()])).abs().max())
+
+    # resumed mid-warm-up (step 2) and after the decision (step 6): timings injected so
+    # that the compressed route of the even buckets wins by its samples of steps 0 and 1
+    # only (a run that lost them would send those buckets in full precision)
+    original = injected(lambda j, compressed, step: (1.0 if step < 2 else 5.0) if compressed
+                        else (3.0 if j % 2 == 0 else 1.2))
+    try:
+        whole, _, _ = auto_run("1bit", True)
+        result["resume"] = {"whole": whole}
+        for at in (2, 6):
+            _, _, state = auto_run("1bit", True, save_at=at)
+            result["resume"][str(at)], _, _ = auto_run("1bit", True, save_at=at,
+                                                        state=state)
+            result["resume"][str(at)]["saved_phase"] = state["device_path"]["routes"]["phase"]
+    finally:
+        BucketRoutes.record = original
+    record(out, "cttab", rank, **result)
 dist.destroy_process_group()
