@@ -59,6 +59,21 @@ def test_a_step_below_max_norm_is_not_scaled():
     assert gate.last.coef == 1.0 and log[0].tolist() == [3.0, 4.0]
 
 
+def test_the_norm_is_the_same_whatever_order_the_sums_arrive_in():
+    """Ranks see a step's sums arrive in different orders (a multi-round codec's transfers
+    finish out of order); their norms, and so their weights, must still agree bitwise."""
+    powers = [1.0] + [2.0 ** -53] * 4
+    norms = []
+    for order in (powers, powers[::-1], powers[1:] + powers[:1]):
+        r = ClipRound(1.0, 2.0, 2)
+        for p in order:
+            r.add_power(p)
+        r.decide()
+        norms.append(r.total_norm)
+    assert sum(powers) != sum(powers[::-1])  # plain addition would differ
+    assert norms[0] == norms[1] == norms[2]
+
+
 def test_the_norm_types_are_torchs():
     x = np.array([3.0, -4.0, 1.0], np.float32)
     assert power_sum(x, 2.0) == 26.0 and power_sum(x, 1.0) == 8.0

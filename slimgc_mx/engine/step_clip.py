@@ -61,7 +61,7 @@ class ClipRound:
         self.num_workers = num_workers
         self.pushed = 0  # pushes made in it
         self.arrived = 0  # of them, those whose sums are in
-        self.power = 0.0
+        self.powers = []  # each arrived sum's power sum, in arrival order
         self.held = []  # (transfer, release) whose sums are in
         self.sealed = False
         self.total_norm = None  # the mean gradient's norm, once released
@@ -71,8 +71,16 @@ class ClipRound:
         return self.sealed and self.arrived == self.pushed
 
     def add_power(self, power):
-        self.power = max(self.power, power) if self.norm_type == math.inf \
-            else self.power + power
+        self.powers.append(power)
+
+    @property
+    def power(self):
+        """The step's power sum, whatever order its sums arrived in (which differs between
+        ranks, a multi-round codec's transfers finishing out of order): the max, or the
+        exactly rounded sum (fsum), so every rank's norm is bitwise the same."""
+        if self.norm_type == math.inf:
+            return max(self.powers, default=0.0)
+        return math.fsum(self.powers)
 
     def decide(self):
         p = self.norm_type
