@@ -157,7 +157,8 @@ def test_a_framework_missing_a_member_is_refused_by_name():
         Aggregator(SlimGCConfig(), LocalTransport(), Misspelt())
     with pytest.raises(TypeError, match="global_update.*local_updater|new_buffer"):
         Aggregator(SlimGCConfig(), LocalTransport(), Lacking())
-    assert backend.missing(Lacking(), backend.Framework)[:2] == ["engine_where", "new_buffer"]
+    assert backend.missing(Lacking(), backend.Framework)[:3] == ["engine_where",
+                                                                "pushes_every_key", "new_buffer"]
 
 
 def test_copy_many_is_each_copy_in_the_destinations_shape():

@@ -69,7 +69,7 @@ class Aggregator:
                                  self.trace, self.stages)
         self.planner = Planner(cfg, transport, codec, cttab, framework.new_buffer,
                                framework.device_codec, self.backup.wait_version, self.name_of,
-                               self.lanes32)
+                               self.lanes32, every_key=framework.pushes_every_key)
         self.stats = TransferStats()
         self.clip = StepClip(transport.num_workers)  # clipped steps' gate (step_clip.py)
         self._stepping = False  # between start_step (or clip_step) and end_step

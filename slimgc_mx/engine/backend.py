@@ -174,6 +174,7 @@ class Framework(Protocol):
     readiness: Readiness
     arrays: Arrays
     engine_where: str  # how a failure reported through on_error is named
+    pushes_every_key: bool  # every step pushes every key (fused buckets from the first step)
 
     def new_buffer(self, shape: Sequence[int], dtype: Any = ...) -> HostArray: ...
 

@@ -143,6 +143,7 @@ class NumpyFramework:
     """The aggregator's seams on plain NumPy arrays (docs/backend.md)."""
 
     engine_where = "a host operation"
+    pushes_every_key = False
     readiness = HostReadiness()
     arrays = HostArrays()
     new_buffer = staticmethod(HostBuffer)

@@ -200,7 +200,7 @@ class Planner:
     """
 
     def __init__(self, config, transport, codec, cttab, make_buffer, device_codec,
-                 wait_version, name_of, lanes32=False):
+                 wait_version, name_of, lanes32=False, every_key=False):
         self.config = config
         self.transport = transport
         self.codec = codec  # the prototype codec; each key gets a clone
@@ -213,6 +213,7 @@ class Planner:
         self._wait_version = wait_version
         self._name_of = name_of  # user key -> parameter name, or None
         self.lanes32 = lanes32  # float64 lanes travel as float32 lanes (lanes32.py)
+        self.every_key = every_key  # every step pushes every key: buckets from the first
 
     # -- keys ------------------------------------------------------------------------------
     def add(self, key, shape):
@@ -377,11 +378,12 @@ class Planner:
 
         It is built at the first push of a step after the first, so that its members
         are the keys the job pushes (gluon.Trainer also initializes keys it never
-        pushes, such as BatchNorm's running statistics). In the CTTab's warm-up it holds
+        pushes, such as BatchNorm's running statistics); at the first push of all where
+        every step pushes every key (every_key: the PyTorch adapter). In the CTTab's warm-up it holds
         the keys the warm-up does not time; end_warmup() drops it for the final one.
         """
         if self.fused is None:
-            if not self.config.fuse or self.steps[key] == 0:
+            if not self.config.fuse or (self.steps[key] == 0 and not self.every_key):
                 return None
             self.fused = self._build_fused(warmup=self.cttab.phase == "warmup")
         return self.fused.bucket(key) if key in self.fused else None
@@ -396,12 +398,12 @@ class Planner:
         into buckets (collective: declares wire keys). warmup: every key pushed that the
         CTTab does not time, in full precision."""
         if warmup:
-            members = {k: b for k, b in self.keys.items() if self.steps[k] > 0
+            members = {k: b for k, b in self.keys.items() if self._pushed(k)
                        and not (b.codec is not None and self.cttab.timed(b.index))}
         else:
             members = {k: self.keys[k] for k in self.full_precision_keys()}
         limit = 0 if warmup else self.fuse_limit()
-        small = {k: b for k, b in self.keys.items() if k not in members and self.steps[k] > 0
+        small = {k: b for k, b in self.keys.items() if k not in members and self._pushed(k)
                  and b.codec is not None and b.device is None and b.device_codec is None
                  and b.nbytes < limit
                  and b.codec.rounds == 1 and all(r.route == "sum" for r in b.rounds)
@@ -441,9 +443,13 @@ class Planner:
             return 0
         return self.cttab.fuse_limit() if option == "auto" else int(option)
 
+    def _pushed(self, key):
+        """Whether `key` is one the job pushes: pushed once, or every key (every_key)."""
+        return self.every_key or self.steps[key] > 0
+
     def full_precision_keys(self):
         """Keys pushed so far that the CTTab routes to full precision, in key order."""
-        return [k for k, b in self.keys.items() if self.steps[k] > 0 and (
+        return [k for k, b in self.keys.items() if self._pushed(k) and (
             b.codec is None or not self.cttab.compressed(b.nbytes, self.steps[k]))]
 
     def partial_buckets(self):

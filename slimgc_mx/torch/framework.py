@@ -449,6 +449,7 @@ class TorchFramework:
     """
 
     engine_where = "a CUDA copy"
+    pushes_every_key = True  # step() pushes every trainable parameter or raises
 
     def __init__(self, params, group_of, num_workers, cuda=False, copies=None):
         self.params = params  # index -> parameter, in key order
