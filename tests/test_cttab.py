@@ -126,13 +126,16 @@ def test_the_warmup_times_a_few_keys_of_each_size_and_weighs_rows_by_all():
     for key in range(7):  # five tensors of 400 bytes, two of 800
         tab.declare(key, 400 if key < 5 else 800)
     timed = [k for k in range(7) if tab.timed(k)]
-    assert timed == list(range(SAMPLES_PER_SIZE)) + [5, 6][:SAMPLES_PER_SIZE]
+    assert timed == list(range(5))[-SAMPLES_PER_SIZE:] + [5, 6][-SAMPLES_PER_SIZE:]
+    tab.declare(7, 400)  # declared once routing began: its size has its timed keys
+    tab.declare(8, 1600)  # a new size: timed
+    assert not tab.timed(7) and tab.timed(8)
     for key in timed:
         size = 400 if key < 5 else 800
         tab.record(key, size, False, 2.0)
         tab.record(key, size, True, 0.5, 0.1)
     rows = tab.build()
-    assert [(r["size"], r["tensors"]) for r in rows] == [(400, 5), (800, 2)]
+    assert [(r["size"], r["tensors"]) for r in rows] == [(400, 6), (800, 2)]
     assert rows[0]["t_c"] == pytest.approx(2.0) and rows[0]["t_q"] == pytest.approx(0.6)
 
 

@@ -1,11 +1,14 @@
 """CTTab, the communication threshold table (SlimGC Strategy 1, Algorithms 1 and 2).
 
-Warm-up: the first SAMPLES_PER_SIZE keys of each tensor size alternate compressed (even
+Warm-up: the last SAMPLES_PER_SIZE keys of each tensor size alternate compressed (even
 steps) and full-precision (odd steps) transfers, each sent alone; each transfer's time is
 recorded, and each key keeps its fastest. The table is per size, so the other keys of a
 size are not timed: they travel in full precision, fused (the planner's warm-up buckets),
 and a model of many same-sized tensors does not pay one timed transfer per tensor per
-step. The table then gives per tensor size t_c, t_c^q, t_p^q and the benefit ratio
+step. The last keys declared are the last pushed (both adapters push in key order), so
+the timed transfers run after the step's other pushes rather than beside them: measured
+on 500 tiny tensors, timing the first keys cost a third more per step than timing the last
+(threads contending with the training thread's pushes). The table then gives per tensor size t_c, t_c^q, t_p^q and the benefit ratio
 t_c / (t_c^q + t_p^q), weighted by how many tensors have that size, and
 BestCT is the threshold from which compression pays. Afterwards the router sends
 size < BestCT in full precision and the rest compressed.
@@ -62,8 +65,8 @@ class CTTab:
         self.rule = rule
         self.margin = margin
         self._samples = {}  # key -> {"nbytes", "wire_q", "fp": [t_c..], "q": [t_c^q..], "proc": [t_p^q..]}
-        self._tensors = {}  # size -> compressible tensors of that size (declare())
-        self._timed = set()  # the keys the warm-up times: SAMPLES_PER_SIZE per size
+        self._declared = {}  # size -> the compressible keys of that size, in order (declare())
+        self._timed = None  # the keys the warm-up times, chosen at the first timed()
         self.rows = []
         self.link = None  # the fitted {"latency_s", "bandwidth_Bps"} once the table is built
         self.reason = None  # one sentence: why best_ct is what it is
@@ -84,15 +87,19 @@ class CTTab:
                            "fixed by comm_threshold=%s" % (format_bytes(mode),))
 
     def declare(self, key, nbytes):
-        """A compressible tensor of `nbytes` (key: the planner's index); the first
-        SAMPLES_PER_SIZE of each size are the ones the warm-up times."""
-        count = self._tensors.get(nbytes, 0)
-        self._tensors[nbytes] = count + 1
-        if count < SAMPLES_PER_SIZE:
-            self._timed.add(key)
+        """A compressible tensor of `nbytes` (key: the planner's index, in push order)."""
+        keys = self._declared.setdefault(nbytes, [])
+        if self._timed is not None and sum(k in self._timed for k in keys) < SAMPLES_PER_SIZE:
+            self._timed.add(key)  # declared once routing began: timed while its size lacks
+        keys.append(key)
 
     def timed(self, key):
-        """Whether the warm-up times key `key` (routes it); the others go full precision."""
+        """Whether the warm-up times key `key` (routes it); the others go full precision.
+        The keys timed are the last SAMPLES_PER_SIZE of each size declared when this is
+        first asked; a key declared later, where its size has fewer timed."""
+        if self._timed is None:
+            self._timed = {k for keys in self._declared.values()
+                           for k in keys[-SAMPLES_PER_SIZE:]}
         return key in self._timed
 
     def compressed(self, nbytes, step):
@@ -164,7 +171,7 @@ class CTTab:
             t_pq = min(host, device)
             t_q = t_cq + t_pq
             wire_q = entries[0][4]
-            tensors = max(self._tensors.get(nbytes, 0), len(entries))
+            tensors = max(len(self._declared.get(nbytes, ())), len(entries))
             row = {"size": nbytes, "tensors": tensors, "wire_q": wire_q, "t_c": t_c,
                    "t_c_q": t_cq, "t_p_q": t_pq, "t_q": t_q,
                    "ratio": t_c / t_q if t_q > 0 else math.inf}
