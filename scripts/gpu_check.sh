@@ -47,8 +47,8 @@ bench() {  # NAME SECONDS ARGS...: one bench gpu invocation, its table as OUT/NA
     cp "/tmp/gpu_$name/table.md" "$OUT/$name.md" 2>/dev/null
 }
 
-bench vgg16 150 --model vgg16 --procs 1 --steps 20 --warmup 8 \
-    --configs no-ddp,ddp,ddp-gpu-2bit,slimgc-device,slimgc-device-nobackup,slimgc-offload
+bench vgg16 170 --model vgg16 --procs 1 --steps 20 --warmup 8 \
+    --configs no-ddp,ddp,ddp-gpu-2bit,slimgc-device,slimgc-device-nobackup,slimgc-device-cttab,slimgc-offload
 cp /tmp/gpu_vgg16/results.json "$OUT/vgg16.json" 2>/dev/null
 cp /tmp/gpu_vgg16/fig14.png "$OUT/fig14.png" 2>/dev/null
 
@@ -61,8 +61,8 @@ if [ -n "$BASE" ] && want baseline; then
     cp /tmp/gpu_base/table.md "$OUT/baseline.md" 2>/dev/null
 fi
 
-bench resnet50 90 --model resnet50 --procs 1 --steps 20 --warmup 8 \
-    --configs no-ddp,ddp,slimgc-device,slimgc-offload
-bench p2 80 --model vgg16 --procs 2 --steps 10 --warmup 5 \
-    --configs ddp,ddp-powersgd,slimgc-device,slimgc-offload
+bench resnet50 105 --model resnet50 --procs 1 --steps 20 --warmup 8 \
+    --configs no-ddp,ddp,slimgc-device,slimgc-device-cttab,slimgc-offload
+bench p2 95 --model vgg16 --procs 2 --steps 10 --warmup 5 \
+    --configs ddp,ddp-powersgd,slimgc-device,slimgc-device-cttab,slimgc-offload
 log "done"

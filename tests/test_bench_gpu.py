@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="bench gpu needs PyTorch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload"]
+CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload", "slimgc-device-cttab"]
 
 
 def _bench(*args, timeout=240):
@@ -42,6 +42,9 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     assert set(slim["composition"]) >= {"fwd_bwd", "copies", "encode", "transfer", "blocked",
                                         "overlap"}
     assert slim["ranks"][0]["per_step"]["bytes_pushed"] > 0
+    for procs in (1, 2):  # the device path's CTTab decided in the run's warm-up
+        stats = got[(procs, "slimgc-device-cttab")]["ranks"][0]["stats"]
+        assert stats["cttab_phase"] == "decided" and stats["data_path"] == "device", stats
     assert doc["machine"]["torch"] == torch.__version__
     assert {p["link"] for p in doc["projection"]} == {"10gbit", "100gbit"}
     table = (tmp_path / "table.md").read_text()
@@ -51,7 +54,7 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     else:  # a machine without it (the GPU machine may be one) is told, the rest is written
         assert "fig14.png not drawn" in r.stderr and "pip install matplotlib" in r.stderr
     # a progress line per config as it finishes
-    assert sum(line.startswith("tiny ") for line in r.stdout.splitlines()) == 8
+    assert sum(line.startswith("tiny ") for line in r.stdout.splitlines()) == 2 * len(CONFIGS)
 
 
 @pytest.mark.slow

@@ -35,6 +35,8 @@ CONFIGS = OrderedDict([
     ("ddp-gpu-2bit", "DDP + a 2bit hook with error feedback on the GPU (residual per bucket)"),
     ("slimgc-device", "SlimGC 2bit, the device path (data_path='device'), backup"),
     ("slimgc-device-nobackup", "slimgc-device without model backup"),
+    ("slimgc-device-cttab", "slimgc-device with the CTTab choosing each bucket's route "
+     "(comm_threshold='auto'; its warm-up is the run's warm-up)"),
     ("slimgc-offload", "SlimGC 2bit, every tensor compressed on the CPU (offload), backup"),
     ("slimgc-gpu", "SlimGC 2bit, every tensor compressed on the gradient's device, backup"),
     ("slimgc-placement", "SlimGC 2bit, the CTTab's placement (offload='auto'), backup"),
@@ -495,7 +497,9 @@ def _setup(config, model, device, world, warmup):
         return ddp, sgd, info
     import slimgc_mx.torch as slimgc
     options = {"backup": not config.endswith("-nobackup")}
-    if config.startswith("slimgc-device"):
+    if config == "slimgc-device-cttab":
+        options.update(data_path="device", comm_threshold="auto", warmup_steps=max(2, warmup))
+    elif config.startswith("slimgc-device"):
         options.update(data_path="device", comm_threshold=0)
     elif config.startswith("slimgc-placement"):
         options.update(offload="auto", comm_threshold="auto", warmup_steps=max(2, warmup))
@@ -607,7 +611,8 @@ def run_rank(spec):
                                               "compressed_transfers", "fused_keys",
                                               "fused_buckets", "cttab_reason", "data_path",
                                               "buckets", "compressed_buckets",
-                                              "compressed_keys") if k in after}
+                                              "compressed_keys", "cttab_phase")
+                        if k in after}
         out["stats"]["cttab_rows"] = len(after.get("cttab") or [])
         out["step_copies"] = last_copies  # the last timed step's (stats()' step_copies)
         per = {k: (after[k] - before[k]) / steps
