@@ -11,6 +11,7 @@ torchrun or the launcher's --framework torch sets them, e.g.
         python scripts/train.py --framework torch --kvstore slimgc --compressor 2bit
 """
 import argparse
+import gc
 import hashlib
 import logging
 import os
@@ -342,6 +343,13 @@ def main(argv=None, on_step=None):
     if slim is not None:
         slim.close()
     if dist.is_initialized():
+        # DDP and its hook's state let go of their tensors while the group lives, and every
+        # rank is done with its exchanges before any tears the group down: Gloo's threads
+        # abort a process (SIGABRT) whose peer closed mid-exchange or whose tensors are
+        # freed at interpreter exit (seen once with the PowerSGD hook under load)
+        del run
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
     skip = min(max(args.warmup_steps, 0), len(step_times) // 2)
