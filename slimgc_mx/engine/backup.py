@@ -128,13 +128,11 @@ class ModelBackup:
         between the aggregation and the copies into the parameters, so the next
         forward pass waits in the engine, while this thread queues more work.
         """
+        if not self._holds:
+            self.write_back_many([(key, step, params)])
+            return
         slot = self._slots[key]
         slot.params = params
-        if not self._holds:
-            self.wait_version(key, step)
-            for out in params:
-                self._arrays.copy(self.glo_buf(key), out)
-            return
         hold = self._arrays.hold(slot.staged)
         staged = self._arrays.array(slot.staged)
         for out in params:
@@ -150,8 +148,9 @@ class ModelBackup:
             hold.release(None if failed else slot.stage)
 
     def write_back_many(self, entries):
-        """write_back() of several (key, step, params) entries, the parameters' copies made
-        by one call of the framework (a step's deferred write-backs, backup off)."""
+        """write_back() of several (key, step, params) entries; without the engine's holds,
+        each waits for its glo_step and the parameters' copies are made by one call of the
+        framework (a step's deferred write-backs, backup off)."""
         if self._holds:
             for key, step, params in entries:
                 self.write_back(key, step, params)

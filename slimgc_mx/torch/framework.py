@@ -64,7 +64,7 @@ class TorchArrays:
             if self.copies is not None and self.copies.crosses_to_device(src, dst):
                 self.copies.to_device(src, dst)
             else:
-                dst.copy_(src if src.shape == dst.shape else src.view(dst.shape))
+                dst.copy_(_shaped(src, dst))
 
     def copy_many(self, pairs):
         """Several copies (a fused bucket's write-backs): one multi-tensor copy on the host,
@@ -76,8 +76,7 @@ class TorchArrays:
         srcs, dsts = [], []
         for src, dst in pairs:
             if src is not dst:
-                src = torch.as_tensor(src)
-                srcs.append(src if src.shape == dst.shape else src.view(dst.shape))
+                srcs.append(_shaped(torch.as_tensor(src), dst))
                 dsts.append(dst)
         if dsts:
             with torch.no_grad():
@@ -85,6 +84,11 @@ class TorchArrays:
 
     def hold(self, buf):
         raise RuntimeError("torch arrays have no engine to hold a writer in (can_hold is False)")
+
+
+def _shaped(src, dst):
+    """`src` (a tensor) in `dst`'s shape, viewed only where the shapes differ."""
+    return src if src.shape == dst.shape else src.view(dst.shape)
 
 
 @dataclasses.dataclass(frozen=True)
