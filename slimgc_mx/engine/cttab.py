@@ -8,8 +8,9 @@ and a model of many same-sized tensors does not pay one timed transfer per tenso
 step. The last keys declared are the last pushed (both adapters push in key order), so
 the timed transfers run after the step's other pushes rather than beside them: measured
 on 500 tiny tensors, timing the first keys cost a third more per step than timing the last
-(threads contending with the training thread's pushes). The table then gives per tensor size t_c, t_c^q, t_p^q and the benefit ratio
-t_c / (t_c^q + t_p^q), weighted by how many tensors have that size, and
+(threads contending with the training thread's pushes). The table then gives per tensor
+size t_c, t_c^q, t_p^q and the benefit ratio t_c / (t_c^q + t_p^q), weighted by how many
+tensors have that size, and
 BestCT is the threshold from which compression pays. Afterwards the router sends
 size < BestCT in full precision and the rest compressed.
 

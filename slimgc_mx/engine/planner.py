@@ -379,8 +379,9 @@ class Planner:
         It is built at the first push of a step after the first, so that its members
         are the keys the job pushes (gluon.Trainer also initializes keys it never
         pushes, such as BatchNorm's running statistics); at the first push of all where
-        every step pushes every key (every_key: the PyTorch adapter). In the CTTab's warm-up it holds
-        the keys the warm-up does not time; end_warmup() drops it for the final one.
+        every step pushes every key (every_key: the PyTorch adapter). In the CTTab's
+        warm-up it holds the keys the warm-up does not time; end_warmup() drops it for the
+        final one.
         """
         if self.fused is None:
             if not self.config.fuse or (self.steps[key] == 0 and not self.every_key):
@@ -421,7 +422,8 @@ class Planner:
         self.fused = route
         self._apply_bucket_state()
         text = "slimgc: %d full-precision keys fused%s into %d transfer(s) of %s bytes" % (
-            len(members), " for the CTTab's warm-up" if warmup else "", sum(b.codec is None for b in route.buckets),
+            len(members), " for the CTTab's warm-up" if warmup else "",
+            sum(b.codec is None for b in route.buckets),
             [b.nbytes for b in route.buckets if b.codec is None])
         if self.fuses_compressed():
             text += "; %d compressed keys below %d bytes into %d" % (
