@@ -93,6 +93,26 @@ def error_of(**kw):
     return None
 
 
+def resumable(opt, net, stop, save_at, state=None, at_step=None):
+    """Train steps 0..stop-1, saving the state at step `save_at`; or, given `state` (saved
+    there by such a run), load it and train steps save_at..stop-1. at_step: (step,
+    fn(opt, net)) run before that step. The state saved, or None."""
+    start, saved = 0, None
+    if state is not None:
+        opt.load_state_dict(state)
+        start = save_at
+    for step in range(start, stop):
+        if step == save_at and state is None:
+            saved = opt.state_dict()
+        if at_step is not None and step == at_step[0]:
+            at_step[1](opt, net)
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    return saved
+
+
 if mode == "match":
     # argv[3], optional: the cases to run (comma-separated names of CODECS), for a quick look
     only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
@@ -157,18 +177,7 @@ elif mode == "resume":
         net = model()
         opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression=compression,
                                           data_path="device", comm_threshold=1024)
-        start = 0
-        if state is not None:
-            opt.load_state_dict(state)
-            start = 5
-        saved = None
-        for step in range(start, stop):
-            if step == 5 and state is None:
-                saved = opt.state_dict()
-            opt.zero_grad()
-            x, y = batch(step, rank)
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
+        saved = resumable(opt, net, stop, 5, state)
         params = weights(net).clone()
         opt.flush()
         flushed = weights(net).clone()
@@ -195,19 +204,8 @@ elif mode == "cttab":
         opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression=compression,
                                           backup=backup, data_path="device",
                                           warmup_steps=WARMUP)
-        start, saved = 0, None
-        if state is not None:
-            opt.load_state_dict(state)
-            start = save_at
-        for step in range(start, steps):
-            if step == save_at and state is None:
-                saved = opt.state_dict()
-            if step == WARMUP and at_warmup is not None:
-                at_warmup(opt, net)
-            opt.zero_grad()
-            x, y = batch(step, rank)
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
+        saved = resumable(opt, net, steps, save_at, state,
+                          None if at_warmup is None else (WARMUP, at_warmup))
         params = weights(net).clone()
         opt.flush()
         stats = opt.stats()
