@@ -62,7 +62,7 @@ class Aggregator:
                                          lanes=lane_format, lanes32=self.lanes32,
                                          bigarray_bound=transport.bigarray_bound))
         self.backup = ModelBackup(cfg.backup, cfg.timeout, framework.arrays)
-        framework.on_error(partial(self._engine_failed, where=framework.engine_where))
+        framework.on_error(partial(self.backup.fail, where=framework.engine_where))
         self.trace = Trace(cfg.trace, transport.rank) if cfg.trace else None
         self.stages = Stages(transport)  # each stage at the site its plan names
         self.pipeline = Pipeline(transport, self._finish, self.backup.fail, framework.readiness,
@@ -152,13 +152,6 @@ class Aggregator:
         self.transport.declare(b.wire.weight, weight)
         self.transport.broadcast(b.wire.weight, weight)
         self.backup.add(key, self.framework.arrays.array(weight))
-
-    def _engine_failed(self, exc, where):
-        """An operator the framework ran for us failed (a local update, an encode in place):
-        no transfer is sent after it (its buffers were not written: what they hold is an
-        earlier step's), and every waiter wakes to raise it."""
-        self.pipeline.fail(exc, where)
-        self.backup.fail(exc, where)
 
     # -- the data path ---------------------------------------------------------------------
     def push(self, key, grads, outs=None, priority=0):

@@ -215,15 +215,6 @@ class Pipeline:
             self._pending -= 1
             self._idle.notify_all()
 
-    def fail(self, exc, where):
-        """An error outside the pipeline (an operator a transfer waits for): no transfer is
-        sent after it; wait_idle and submit raise it."""
-        if self.error is None:
-            self.error_where = where
-            self.error = exc
-        with self._idle:
-            self._idle.notify_all()
-
     def _fail(self, exc, transfer):
         if self.error is None:
             self.error_where = "%s, step %d" % (transfer.label, transfer.step)
