@@ -181,7 +181,8 @@ def test_conv_gradients_are_read_in_place_with_the_copy_paths_weights(monkeypatc
 def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
     """Should a gradient read in place turn up in MKLDNN's layout, the operator refuses it
     (LayoutError through DLPack) and every worker's next wait raises it: nothing is sent
-    from a relaid array and no weight is updated."""
+    from a relaid array (the refused push goes out as NaN naming its worker, so no sum of
+    that step is used) and no weight is updated."""
     from slimgc_mx.engine.offload import PipelineError
     from slimgc_mx.mxnet.buffers import LayoutError
 
@@ -221,3 +222,51 @@ def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
         assert "MKLDNN's layout" in str(err)
         np.testing.assert_array_equal(glo_after, glo)
         assert pushed_after == pushed  # the refused step was not sent
+
+
+def test_one_workers_relaid_gradient_fails_its_peer_too(monkeypatch):
+    """Only worker 1's gradient is relaid: it raises the LayoutError, and its push goes out
+    as NaN naming it, so worker 0 fails that sum too instead of adding a stale bit_buf
+    (an earlier step's encode) to its weights, or waiting for a push that never comes."""
+    from slimgc_mx.engine.offload import NonFiniteAggregateError, PipelineError
+    from slimgc_mx.mxnet.buffers import LayoutError
+
+    size = 3000
+    relaid = []  # worker 1's gradient, once it is relaid
+    original = ArrayInPlace.held
+
+    def held(self):
+        if any(self.nd.handle.value == nd.handle.value for nd in relaid):
+            raise LayoutError("an array of shape (%d,) is in MKLDNN's layout" % size)
+        return original(self)
+
+    monkeypatch.setattr(ArrayInPlace, "held", held)
+    both = threading.Barrier(2)
+
+    def worker(rank, transport):
+        kv, w = th.compressed_sgd_store(transport, size)
+        grad = mx.nd.array(np.linspace(-1, 1, size) * (rank + 1))
+        for _ in range(4):
+            kv.pushpull(0, grad, out=w)
+        kv._agg.pipeline.wait_idle(30)
+        glo = kv._agg.backup.glo_buf(0).asnumpy()
+        in_place = kv._agg.planner.keys[0].grad_in_place
+        both.wait()
+        if rank == 1:
+            relaid.append(grad)
+        both.wait()
+        with pytest.raises(PipelineError) as info:
+            for _ in range(3):
+                kv.pushpull(0, grad, out=w)
+            kv._agg.pipeline.wait_idle(30)
+        after = kv._agg.backup.glo_buf(0).asnumpy()
+        kv.close()
+        return in_place, info.value, glo, after
+
+    (in0, err0, glo0, after0), (in1, err1, glo1, after1) = th.in_threads(2, worker)
+    assert in0 is True and in1 is True
+    assert "MKLDNN's layout" in str(err1)
+    assert isinstance(err0.__cause__, NonFiniteAggregateError), err0
+    assert "sent by worker rank 1" in str(err0)
+    np.testing.assert_array_equal(after0, glo0)
+    np.testing.assert_array_equal(after1, glo1)

@@ -234,11 +234,13 @@ class FusedEncode:
         naming this worker, so that every worker fails its sum instead of adding it."""
         b, check = self.buffers, self.check
         start = time.perf_counter()
-        grad, residual, out = grad.held(), b.residual.held(), self.send.held()
+        out = self.send.held()
         if piece is not None:
-            grad, residual, out = (grad[piece.lo:piece.hi], residual[piece.lo:piece.hi],
-                                   out[piece.lanes])
-        try:
+            out = out[piece.lanes]
+        try:  # grad.held() refuses a gradient relaid since the probe (a LayoutError)
+            grad, residual = grad.held(), b.residual.held()
+            if piece is not None:
+                grad, residual = grad[piece.lo:piece.hi], residual[piece.lo:piece.hi]
             if self.measure:
                 b.watch.add(grad, residual)
             b.codec.encode(grad, residual, self.num_workers, out=out, rank=self.rank,

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import List, Optional
 
 import numpy as np
@@ -120,6 +121,10 @@ class Transfer:
                 sum(r.wire_recv.nbytes for r in rounds))
 
 
+#: How long close() waits for submitted transfers to enter the pipeline.
+ENTER_GRACE_S = 5.0
+
+
 class Pipeline:
     """Runs transfers through encoder -> communicator -> finisher threads."""
 
@@ -134,6 +139,7 @@ class Pipeline:
         self.error_where = None
         self.timed_out = False
         self._pending = 0
+        self._entering = 0  # submitted, still waiting for their ready array
         self._idle = threading.Condition()
         self._queues = [queue.Queue(), queue.Queue(), queue.Queue()]
         stages = [(self._encode, "encoder"), (self._communicate, "communicator"),
@@ -159,9 +165,16 @@ class Pipeline:
         if self.stages.streamed(transfer.plan) or (transfer.plan.serial and not ordered):
             self._queues[0].put(transfer)
         else:
+            with self._idle:
+                self._entering += 1
             self._notifier.when_readable(self.stages.ready_array(transfer),
-                                         lambda: self._queues[0].put(transfer),
-                                         transfer.priority)
+                                         partial(self._enter, transfer), transfer.priority)
+
+    def _enter(self, transfer):
+        self._queues[0].put(transfer)
+        with self._idle:
+            self._entering -= 1
+            self._idle.notify_all()
 
     @property
     def in_flight(self):
@@ -181,7 +194,13 @@ class Pipeline:
             raise PipelineError.of(self.error, self.error_where)
 
     def close(self, join=True):
-        """Stop the threads; join=False leaves threads stuck on a dead peer behind."""
+        """Stop the threads; join=False leaves threads stuck on a dead peer behind.
+
+        Transfers still waiting for their ready array enter first (for at most
+        ENTER_GRACE_S): a push whose local update failed goes out as NaN, which is how its
+        peers learn of the failure instead of waiting for the push until their timeout."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._entering == 0, ENTER_GRACE_S)
         self._queues[0].put(None)
         if join:
             for t in self._threads:
@@ -308,6 +327,8 @@ class Pipeline:
         """Check the finished round's result; when the codec has a further round, write its
         payload (next_round) and return True."""
         b, n = t.buffers, self.transport.num_workers
+        if t.check is not None and t.check.error is not None:
+            raise t.check.error  # it went out as NaN (Stages.encode): every worker fails it
         joined = False
         if t.plan.compressed:
             joined = self._join(t)
@@ -320,7 +341,8 @@ class Pipeline:
             raise NonFiniteAggregateError(
                 "%s, step %d: the gradient summed over workers holds NaN/Inf, sent by %s "
                 "(this worker's own gradient %s); no weights were updated. Lower the learning "
-                "rate or clip gradients." % (
+                "rate or clip gradients, unless that worker's own error names another "
+                "cause." % (
                     t.label, t.step, "worker rank %d" % sender if sender is not None
                     else "a worker this sum does not name (an overflow, or a NaN no check saw)",
                     "did" if t.nonfinite else "was finite"))

@@ -54,22 +54,31 @@ def local_pass(step, grad, weight, out, mom, num_threads, check=None, encoder=No
     (grad_buf.GradCheck) gets the count of NaN/Inf in grad; `encoder` (grad_buf.FusedEncode)
     encodes grad in the same pass."""
     def run(piece):
-        m = mom.held() if mom is not None else None
-        if encoder is not None:
-            w, o = weight.held(), out.held()
-            if piece is not None:
-                part = slice(piece.lo, piece.hi)
-                w, o, m = w[part], o[part], (m[part] if m is not None else None)
-            encoder(grad, kernels().LocalSGD(w, m, o, step.lr, step.wd, step.rescale_grad,
-                                             step.momentum, step.clip), piece)
-            return
-        bad = kernels().sgd_step(weight.held(), grad.held(), m, None, out.held(), step.lr,
-                                 step.wd, step.rescale_grad, step.momentum, step.clip,
-                                 num_threads, check is not None)
-        if check is not None:
-            check.nonfinite = bad
+        try:
+            _local_piece(step, grad, weight, out, mom, num_threads, check, encoder, piece)
+        except BaseException as exc:  # kept for the pipeline: this push goes out as NaN
+            if check is not None and check.error is None:
+                check.error = exc
+            raise
 
     return run
+
+
+def _local_piece(step, grad, weight, out, mom, num_threads, check, encoder, piece):
+    m = mom.held() if mom is not None else None
+    if encoder is not None:
+        w, o = weight.held(), out.held()
+        if piece is not None:
+            part = slice(piece.lo, piece.hi)
+            w, o, m = w[part], o[part], (m[part] if m is not None else None)
+        encoder(grad, kernels().LocalSGD(w, m, o, step.lr, step.wd, step.rescale_grad,
+                                         step.momentum, step.clip), piece)
+        return
+    bad = kernels().sgd_step(weight.held(), grad.held(), m, None, out.held(), step.lr,
+                             step.wd, step.rescale_grad, step.momentum, step.clip,
+                             num_threads, check is not None)
+    if check is not None:
+        check.nonfinite = bad
 
 
 def torch_sgd_reference(weight, grad, mom, lr, weight_decay, momentum, dampening, nesterov,

@@ -87,7 +87,9 @@ class Stages:
     def encode(self, t):
         """What is sent made ready where the plan encodes it (Plan.encode)."""
         site = t.plan.encode
-        if site is None:
+        if t.check is not None and t.check.error is not None and site != PIECES:
+            self._refused(t)
+        elif site is None:
             self._check_full_precision(t)
         elif site == ENCODER:
             self._encode_here(t)
@@ -113,12 +115,18 @@ class Stages:
             mark_nonfinite(b.grad_buf.for_write(), self.transport.rank)
             t.nonfinite = True
 
+    def _refused(self, t):
+        """The local update's operator failed (t.check.error): bit_buf may hold an earlier
+        step. Send NaN naming this worker, so that every worker fails this sum instead of
+        adding it or waiting for it; this worker raises the error once the round is back."""
+        mark_nonfinite(t.exchange.send.for_write(), self.transport.rank)
+        t.nonfinite = True
+        self._split(t)
+
     def _encoded_in_local_update(self, t):
         """bit_buf was encoded by the local update (grad_buf.FusedEncode): take its report."""
         check = t.check
-        if not check.encoded:  # its operator failed, or never ran: encode here
-            if check.error is not None:
-                raise check.error
+        if not check.encoded:  # its operator never encoded (it failed before): encode here
             self._encode_here(t)
             return
         t.buffers.residual_pending = True
