@@ -3,8 +3,8 @@ and the rest run; likewise the experiments' optional packages. Nothing here acts
 packages are installed (requirements.txt installs them all).
 
 A test marked multiprocess is marked slow as well, so that the quick tier
-(bash scripts/run.sh test --quick: pytest -m "not slow") leaves it out. mnist1d_dir: the
-MNIST-1D arrays, generated once per session, for the launched jobs that train on them."""
+(bash scripts/run.sh test --quick: pytest -m "not slow") leaves it out; the longest files
+run first. mnist1d_dir: the MNIST-1D arrays, generated once per session, for the launched jobs that train on them."""
 import importlib.util
 
 import pytest
@@ -54,10 +54,31 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """A multiprocess test is slow too: the quick tier (-m "not slow") leaves it out."""
+    """A multiprocess test is slow too: the quick tier (-m "not slow") leaves it out.
+
+    The files of LONG_FIRST go first, then those with the most slow tests (each file's
+    tests in their own order), so that parallel workers (--dist loadfile hands out files in
+    this order) do not end on one long file while the others idle."""
     for item in items:
         if item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+    slow, first = {}, {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: (_long_rank(item.path), -slow[item.path], first[item.path]))
+
+
+#: Files holding the suite's longest single tests (measured with --durations), longest
+#: first: only the order in which parallel workers take files, never what runs.
+LONG_FIRST = ("test_bench_gpu.py", "test_memory_bounded.py", "test_torch_device_path.py",
+              "test_torch_adapter.py", "test_cluster_torch.py", "test_faults.py",
+              "test_torch_offload_codecs.py", "test_distributed.py", "test_torch_clip.py",
+              "test_reliability.py", "test_torch_rendezvous.py")
+
+
+def _long_rank(path):
+    return LONG_FIRST.index(path.name) if path.name in LONG_FIRST else len(LONG_FIRST)
 
 
 @pytest.fixture(scope="session")
