@@ -76,6 +76,43 @@ def test_fit_recovers_the_link_and_its_crossover():
     assert CTTab.choose(rows, "measured") == 32_000  # no noise: both rules agree
 
 
+def test_fused_full_precision_keeps_small_tensors_uncompressed():
+    # 5 ms of latency, 10 MB/s. Alone, a 16 KiB tensor pays the latency on both routes
+    # and saves 1.5 ms of bytes compressed; fused, its full precision pays only its 1.6 ms
+    # of bytes, less than the 5 ms a compressed transfer of its own pays. 4 MB tensors
+    # pay compressed either way.
+    sizes = [16384] * 10 + [4_000_000] * 2
+    alone, fused = CTTab("auto", warmup_steps=4), CTTab("auto", warmup_steps=4, fused_fp=True)
+    for tab in (alone, fused):
+        _record_link(tab, sizes, 5e-3, 10e6, lambda n: 1e-4)
+        tab.build()
+    assert alone.decide() == 16384
+    assert fused.decide() == 4_000_000
+    assert fused.link == alone.link  # the same fitted link, only the route's cost differs
+    row, row_alone = fused.rows[0], alone.rows[0]
+    assert row["fit_t_c"] == pytest.approx(16384 / 10e6)
+    assert row_alone["fit_t_c"] - row["fit_t_c"] == pytest.approx(5e-3)
+    assert row["fit_t_q"] == row_alone["fit_t_q"]  # a compressed tensor pays its own
+    assert "full precision fused" in fused.format_table()
+    assert "full precision fused" not in alone.format_table()
+
+
+def test_tiny_sizes_give_no_bandwidth_to_fit():
+    # 500 tensors of 16 B whose full-precision transfers ran 0.6 ms slower by chance: the
+    # two points (16 B and 1 B of lanes) would fit a 25 KB/s link on which compressing
+    # each "saves"; 15 bytes cannot be told from noise, so no bandwidth is read.
+    def noise(key, step):
+        return 6e-4 if step % 2 == 1 else 0.0
+
+    tab = CTTab("auto", warmup_steps=4)
+    _record_link(tab, [16] * 500, 1e-3, 10e9, lambda n: 1e-5, noise)
+    rows = tab.build()
+    assert tab.link["bandwidth_Bps"] == NEVER
+    assert tab.link["latency_s"] == pytest.approx(1.3e-3)
+    assert tab.decide() == NEVER
+    assert CTTab.choose(rows, "measured") == 16  # as measured, the noise decides
+
+
 def test_fit_ignores_noisy_small_transfers_that_fool_the_measured_rule():
     # Contended host: the full-precision transfers of small tensors happened to run
     # 10 ms slower than their compressed ones; bytes cost almost nothing (10 GB/s).

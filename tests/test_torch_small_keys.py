@@ -18,7 +18,7 @@ OPTIONS = [
     {"compression": "none"},
     # the large tensors are compressed (unfused), the tiny ones fused at full precision
     {"compression": "2bit", "comm_threshold": 1024, "large": 2},
-    # inside the CTTab's warm-up: two keys of each size timed alone, the rest fused
+    # inside the CTTab's warm-up: SAMPLES_PER_SIZE keys of each size timed alone, the rest fused
     {"compression": "2bit", "large": 3},
 ]
 

@@ -52,7 +52,8 @@ class Aggregator:
             codec = codecs.create(cfg.compressor, threshold=cfg.threshold,
                                   num_threads=cfg.num_threads, **cfg.codec_options)
             cttab = CTTab(cfg.comm_threshold, cfg.warmup_steps, cfg.cttab_rule,
-                          cfg.cttab_margin, places=self.places(cfg, framework))
+                          cfg.cttab_margin, places=self.places(cfg, framework),
+                          fused_fp=cfg.fuse)
         self.cttab = cttab
         self.codec = codec
         lane_format = self._lane_format()  # a worker count the lanes cannot hold raises here

@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 
 NEVER = math.inf  # BestCT when compression never pays: every tensor goes full precision
 
-#: Keys of one size timed by the warm-up (their fastest transfers are averaged).
-SAMPLES_PER_SIZE = 2
+#: Keys of one size timed by the warm-up (their fastest transfers are averaged). One: each
+#: timed key adds a serial transfer to every warm-up step, and a key's fastest of its
+#: warmup_steps / 2 transfers per route already discards the noise of a contended host.
+SAMPLES_PER_SIZE = 1
 
 
 class CTTab:
@@ -54,11 +56,16 @@ class CTTab:
     rule: 'fit' or 'measured', how BestCT is read from the table (see the module doc).
     """
 
-    def __init__(self, mode="auto", warmup_steps=20, rule="fit", margin=0.0, places=False):
+    def __init__(self, mode="auto", warmup_steps=20, rule="fit", margin=0.0, places=False,
+                 fused_fp=False):
         """places: the model is on a device (a GPU) that can also encode (offload='auto'):
         the warm-up measures the compressed route encoded there too, and each size is
-        compressed where its t^q is least."""
+        compressed where its t^q is least. fused_fp: full-precision tensors travel in fused
+        buckets after the decision (option fuse), so the 'fit' rule counts their bytes
+        alone: a bucket's one latency is shared by all its members, while a compressed
+        tensor pays its own."""
         check_rule(rule)
+        self.fused_fp = fused_fp
         self.places = places
         self.placement = {}  # size -> 'device' where the device encodes it (offload='auto')
         self.mode = mode
@@ -180,7 +187,7 @@ class CTTab:
                 row.update(t_p_q_host=host, t_p_q_device=device,
                            where="device" if device < host else "host")
             rows.append(row)
-        self.link = fit_rows(rows)
+        self.link = fit_rows(rows, self.fused_fp)
         self.rows = rows
         return rows
 
@@ -293,6 +300,7 @@ class CTTab:
         return {"mode": self.mode, "warmup_steps": self.warmup_steps, "rule": self.rule,
                 "margin": self.margin, "phase": self.phase, "best_ct": self.best_ct,
                 "rows": self.rows, "link": self.link, "reason": self.reason,
+                "fused_fp": self.fused_fp,
                 "placement": sorted(s for s, w in self.placement.items() if w == "device")}
 
     def load_state_dict(self, state):
@@ -302,6 +310,7 @@ class CTTab:
         self.rows = list(state["rows"])
         self.link = state.get("link")
         self.reason = state.get("reason")
+        self.fused_fp = state.get("fused_fp", self.fused_fp)
 
     def format_table(self):
         """The table as the paper prints it (Fig. 6), one row per tensor size."""
@@ -319,9 +328,11 @@ class CTTab:
                 r["t_p_q"] * 1e3, r["t_q"] * 1e3, r["ratio"], r["fit_t_c"] * 1e3,
                 r["fit_t_q"] * 1e3, mark))
         if self.link is not None:
-            lines.append("rule %s, margin %.2f; fitted link: latency %.3f ms, %s"
+            lines.append("rule %s, margin %.2f; fitted link: latency %.3f ms, %s%s"
                          % (self.rule, self.margin, self.link["latency_s"] * 1e3,
-                            format_bandwidth(self.link["bandwidth_Bps"])))
+                            format_bandwidth(self.link["bandwidth_Bps"]),
+                            "; full precision fused: fit t_c without the latency"
+                            if self.fused_fp else ""))
         return "\n".join(lines)
 
     def to_csv(self):
@@ -368,11 +379,18 @@ def check_rule(rule):
                          % (rule, ", ".join(RULES)))
 
 
+#: Bytes the fitted points must span for their slope to be read as the link's bandwidth:
+#: over a smaller span, a tenth of a millisecond of timing noise passes for a slow link
+#: (16 B and its 4 B of lanes, 1 ms apart by chance, would "fit" 12 KiB/s).
+MIN_FIT_SPAN = 64 * 1024
+
+
 def fit_link(rows):
     """Least-squares fit of t = latency + bytes / bandwidth to both routes' row medians.
 
     Points: (size, t_c) and (wire_q, t_c^q) per row. Both routes share one link,
-    so only the slope decides; a slope <= 0 (no sign that bytes cost time) gives
+    so only the slope decides; a slope <= 0 (no sign that bytes cost time), or points
+    spanning fewer than MIN_FIT_SPAN bytes (no sign that can be told from noise), give
     infinite bandwidth, and then compression never pays.
     """
     points = [(r["size"], r["t_c"]) for r in rows]
@@ -381,6 +399,8 @@ def fit_link(rows):
         return {"latency_s": 0.0, "bandwidth_Bps": NEVER}
     mean_x = sum(x for x, _ in points) / len(points)
     mean_t = sum(t for _, t in points) / len(points)
+    if max(x for x, _ in points) - min(x for x, _ in points) < MIN_FIT_SPAN:
+        return {"latency_s": max(0.0, mean_t), "bandwidth_Bps": NEVER}
     var = sum((x - mean_x) ** 2 for x, _ in points)
     slope = sum((x - mean_x) * (t - mean_t) for x, t in points) / var
     if slope <= 0:
@@ -388,19 +408,23 @@ def fit_link(rows):
     return {"latency_s": max(0.0, mean_t - slope * mean_x), "bandwidth_Bps": 1.0 / slope}
 
 
-def fit_rows(rows):
-    """Fit the link to `rows` and give each row its fitted times fit_t_c and fit_t_q."""
+def fit_rows(rows, fused_fp=False):
+    """Fit the link to `rows` and give each row its fitted times fit_t_c and fit_t_q
+    (fused_fp: full precision travels fused, its fit_t_c is its bytes' time alone)."""
     link = fit_link(rows)
     for r in rows:
-        r.update(_fitted(r, link))
+        r.update(_fitted(r, link, fused_fp))
     return link
 
 
-def _fitted(row, link):
-    """fit_t_c and fit_t_q of one row on the fitted link (the codec time t_p^q as measured)."""
+def _fitted(row, link, fused_fp=False):
+    """fit_t_c and fit_t_q of one row on the fitted link (the codec time t_p^q as measured);
+    fused_fp: the full-precision route pays no latency of its own (a fused bucket's one
+    latency is shared by its members: 500 tiny tensors pay it once, not 500 times)."""
     per_byte = 0.0 if link["bandwidth_Bps"] == NEVER else 1.0 / link["bandwidth_Bps"]
     wire_q = row["wire_q"] if row["wire_q"] is not None else row["size"]
-    return {"fit_t_c": link["latency_s"] + per_byte * row["size"],
+    latency_c = 0.0 if fused_fp else link["latency_s"]
+    return {"fit_t_c": latency_c + per_byte * row["size"],
             "fit_t_q": link["latency_s"] + per_byte * wire_q + row["t_p_q"]}
 
 
