@@ -31,9 +31,13 @@ def timed_keys(options):
 
 
 STEPS, PARAMS = 6, 60
-#: Both jobs in one torchrun.
-SHARED = Batch(*(("tiny.py", "ddp,slimgc", json.dumps(
-    dict(options, backup=False, steps=STEPS, params=PARAMS))) for options in OPTIONS))
+#: The CTTab decides after two steps: tiny tensors alone in the table.
+DECIDED = {"compression": "2bit", "warmup_steps": 2, "backup": False, "steps": STEPS,
+           "params": PARAMS}
+#: Every job in one torchrun.
+SHARED = Batch(*[("tiny.py", "ddp,slimgc", json.dumps(
+    dict(options, backup=False, steps=STEPS, params=PARAMS))) for options in OPTIONS]
+    + [("tiny.py", "slimgc", json.dumps(DECIDED))])
 
 
 @pytest.mark.parametrize("options", OPTIONS)
@@ -55,3 +59,18 @@ def test_a_step_sends_each_bucket_once_not_each_key(tmp_path, options):
     if options["compression"] == "none":  # still DDP's weights
         ddp = results(tmp_path, "ddp")
         assert np.abs(np.subtract(ddp[0]["weights"], mine[0]["weights"])).max() <= 1e-6
+
+
+def test_after_the_warm_up_tiny_tensors_stay_fused_in_full_precision(tmp_path):
+    """A table of 16 B tensors alone has no bandwidth to read (their timings differ by
+    noise, not bytes), and fused they pay no latency of their own: the CTTab keeps them in
+    full precision, fused, every run (noise used to compress all 500 of the job's tiny
+    tensors at times, each in a transfer of its own: 15-18x DDP's step)."""
+    code, text = SHARED.run("tiny.py", tmp_path, "slimgc", json.dumps(DECIDED))
+    assert code == 0, text[-4000:]
+    assert "BestCT = never" in text
+    for r in results(tmp_path, "slimgc"):
+        per_step = list(np.diff([0] + r["transfers"]))
+        # warm-up: the timed key alone and the bucket of the rest; then one bucket
+        assert per_step == [2, 2] + [1] * (STEPS - 2)
+        assert r["fused_keys"] == PARAMS and r["fused_buckets"] == 1
