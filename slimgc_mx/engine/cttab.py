@@ -270,7 +270,7 @@ class CTTab:
         say = _Benefits(rows, self.rule, self.margin)
         bar = say.bar_text
         cost = "a compressed size counting %s times its t^q (cttab_margin %s)" % (
-            bar, _plain(self.margin))
+            bar, plain_number(self.margin))
         how = "%s benefit t_c / t^q" % ("fitted" if self.rule == "fit" else "measured")
         if self.best_ct == NEVER:
             top = rows[-1]
@@ -445,7 +445,7 @@ def _saving(row, rule, margin):
     return row["tensors"] * (_exact(row[fp]) - need * _exact(row[q]))
 
 
-def _plain(x):
+def plain_number(x):
     """A number with as few digits as it needs: 1.5 -> '1.50', 1.333 -> '1.333'."""
     for digits in range(2, 7):
         if float("%.*f" % (digits, x)) == x:
@@ -462,7 +462,7 @@ class _Benefits:
         self.bar = 1 + margin
         fp, q = _columns(rule)
         self.ratio = {id(r): r[fp] / r[q] if r[q] > 0 else math.inf for r in rows}
-        self.digits = len(_plain(self.bar).split(".")[1])
+        self.digits = len(plain_number(self.bar).split(".")[1])
         while self.digits < 6 and not all(self._reads_right(r, self.digits) for r in rows):
             self.digits += 1
         self.bar_text = "%.*f" % (self.digits, self.bar)

@@ -22,7 +22,7 @@ The third candidate of the paper's Strategy 1, CPU offload, is the host path's
 """
 import math
 
-from ..engine.cttab import _plain, format_bytes
+from ..engine.cttab import format_bytes, plain_number
 
 #: A bucket's route, as stats() reports it.
 COMPRESSED, FULL, WARMUP = "compressed", "full precision", "warm-up"
@@ -135,7 +135,7 @@ class BucketRoutes:
         """Why the routes are what they are, in one sentence."""
         if self.phase == "fixed":
             return "fixed by comm_threshold (no warm-up)"
-        bar = "1 + cttab_margin = %s" % _plain(1 + self.margin)
+        bar = "1 + cttab_margin = %s" % plain_number(1 + self.margin)
         how = ("each bucket compressed only where its full-precision time over its compressed "
                "time (encode, sum, decode; the fastest of its warm-up samples) is above %s"
                % bar)
@@ -167,7 +167,7 @@ class BucketRoutes:
         return ("device path CTTab: a warm-up of %d steps times each of the %d buckets that "
                 "can be compressed on both routes, compressed and full precision, then "
                 "routes each to the faster (a compressed one must win by cttab_margin %s)"
-                % (self.warmup_steps, sum(self.candidates), _plain(self.margin)))
+                % (self.warmup_steps, sum(self.candidates), plain_number(self.margin)))
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
