@@ -124,6 +124,15 @@ def test_the_cttab_routes_each_bucket_alike_on_every_rank(tmp_path):
     assert r0["disagree"]["routes"] == ["compressed", "full precision"] * 3
     assert "rank 0's choice" in r1["disagree"]["reason"]
     assert "rank 0's choice" not in r0["disagree"]["reason"]
+    # 2bit's one bucket on the host codec where it is timed fastest: the device codec's
+    # lanes bit for bit, so the same weights as on the device
+    assert r0["host"]["routes"] == ["compressed on the host"]
+    assert r0["device"]["routes"] == ["compressed"]
+    for r in ranks:
+        for key in ("glo_buf", "flushed"):  # the global weights: every rank's alike
+            assert r["host"][key] == r["device"][key] == r0["host"][key], key
+        assert r["host"]["params"] == r["device"]["params"]  # this rank's loc_buf
+        assert "on the host" in r["host"]["reason"]
     full = r0["full"]
     assert full["routes"] == ["full precision"]  # 2bit: one bucket
     assert full["moved_after"] > 1e-3
@@ -139,14 +148,19 @@ def test_the_cttab_routes_each_bucket_alike_on_every_rank(tmp_path):
                 assert got[key] == whole[key], (at, key)
 
 
+C, H, F = routes.COMPRESSED, routes.HOST, routes.FULL
+
+
 def test_a_bucket_is_compressed_only_where_it_wins_by_the_margin():
-    s = lambda q, fp: {"q": q, "fp": fp}  # noqa: E731
-    assert routes.choose([s(1.0, 1.6), s(1.0, 1.4), None, s(1.0, 0.5)], 0.5) == [
-        True, False, False, False]
-    assert routes.choose([s(2.0, 3.0)], 0.5) == [False]  # a tie goes full precision
-    assert routes.choose([s(2.0, 3.0 + 1e-9)], 0.5) == [True]
-    assert routes.choose([s(1.0, 1.0), s(1.0, 1.01)], 0.0) == [False, True]
-    assert routes.choose([s(None, 1.0), s(1.0, None), {}], 0.0) == [False, False, False]
+    s = lambda q, fp, host=None: {"q": q, "fp": fp, "host": host}  # noqa: E731
+    assert routes.choose([s(1.0, 1.6), s(1.0, 1.4), None, s(1.0, 0.5)], 0.5) == [C, F, F, F]
+    assert routes.choose([s(2.0, 3.0)], 0.5) == [F]  # a tie goes full precision
+    assert routes.choose([s(2.0, 3.0 + 1e-9)], 0.5) == [C]
+    assert routes.choose([s(1.0, 1.0), s(1.0, 1.01)], 0.0) == [F, C]
+    assert routes.choose([s(None, 1.0), s(1.0, None), {}], 0.0) == [F, F, F]
+    # the host codec: the faster compressed route, the device on a tie, still by the margin
+    assert routes.choose([s(1.0, 1.6, 0.5), s(1.0, 1.6, 1.0), s(None, 1.6, 1.0),
+                          s(3.0, 1.6, 1.1), s(None, None, 0.1)], 0.5) == [H, C, H, F, F]
 
 
 def test_the_warm_up_alternates_keeps_the_fastest_and_decides():
@@ -157,19 +171,19 @@ def test_the_warm_up_alternates_keeps_the_fastest_and_decides():
     assert not any(r.compressed(1, step) for step in range(4))
     assert [r.due(step) for step in (3, 4)] == [False, True]
     for step, (q, fp) in enumerate([(5.0, 9.0), (1.0, 9.0)]):  # bucket 0: q 1 (its fastest)
-        r.record(0, True, q, 2 * step)
-        r.record(0, False, fp, 2 * step + 1)
-        r.record(2, True, 2.0, 2 * step)  # bucket 2: 2 * 1.5 = 3.0, a tie
-        r.record(2, False, 3.0, 2 * step + 1)
-    r.record(1, True, 0.0, 0)  # not a candidate: no samples
+        r.record(0, C, q, 2 * step)
+        r.record(0, F, fp, 2 * step + 1)
+        r.record(2, C, 2.0, 2 * step)  # bucket 2: 2 * 1.5 = 3.0, a tie
+        r.record(2, F, 3.0, 2 * step + 1)
+    r.record(1, C, 0.0, 0)  # not a candidate: no samples
     assert r.samples == [{"q": 1.0, "fp": 9.0}, None, {"q": 2.0, "fp": 3.0}]
     saved = r.state_dict()
-    assert r.own_routes() == [True, False, False]
+    assert r.own_routes() == [C, F, F]
     r.adopt(r.own_routes())
     assert r.phase == "decided" and not r.due(10)
     assert r.route_names() == ["compressed", "full precision", "full precision"]
     assert [r.compressed(j, 11) for j in range(3)] == [True, False, False]
-    r.record(0, True, 0.001, 5)  # after the decision: ignored
+    r.record(0, C, 0.001, 5)  # after the decision: ignored
     assert r.samples[0]["q"] == 1.0
     line = r.summary()
     assert line.startswith("device path CTTab: 1 of 3 buckets compressed (3.9 KiB of 4.3 KiB)")
@@ -180,7 +194,10 @@ def test_the_warm_up_alternates_keeps_the_fastest_and_decides():
     again.load_state_dict(saved)
     assert again.warming and again.samples == saved["samples"]
     again.load_state_dict(r.state_dict())
-    assert again.routes == [True, False, False] and again.phase == "decided"
+    assert again.routes == [C, F, F] and again.phase == "decided"
+    old = dict(r.state_dict(), routes=[True, False, False])  # saved with two routes
+    again.load_state_dict(old)
+    assert again.routes == [C, F, F]
     fixed = routes.BucketRoutes([True, False, True], [4000, 16, 400], ["a", "b", "c"],
                                 mode="fixed")
     assert fixed.phase == "fixed" and not fixed.due(100)
@@ -189,12 +206,39 @@ def test_the_warm_up_alternates_keeps_the_fastest_and_decides():
         fixed.load_state_dict(saved)
     # nothing pays: every bucket full precision, and the line says the step is DDP's
     slow = routes.BucketRoutes([True, True], [40, 40], ["a", "b"], warmup_steps=2)
-    slow.record(0, True, 2.0, 0)
-    slow.record(0, False, 1.0, 1)  # bucket 1: never timed on both routes
-    slow.record(1, True, 0.1, 0)
+    slow.record(0, C, 2.0, 0)
+    slow.record(0, F, 1.0, 1)  # bucket 1: never timed on both routes
+    slow.record(1, C, 0.1, 0)
     slow.adopt(slow.own_routes())
-    assert slow.routes == [False, False] and "DDP's" in slow.summary()
+    assert slow.routes == [F, F] and "DDP's" in slow.summary()
     assert "not timed on both routes" in slow.summary()
+
+
+def test_a_bucket_with_a_host_codec_cycles_three_routes():
+    """hosts[j]: the warm-up cycles the device codec, the host codec and full precision;
+    the host wins where it is the fastest by the margin, and the line says how many."""
+    r = routes.BucketRoutes([True, True, False], [4000, 400, 16], ["a", "b", "c"],
+                            warmup_steps=6, margin=0.5, hosts=[True, False, True])
+    assert r.hosts == [True, False, False]  # no codec, no host codec
+    assert [r.route(0, step) for step in range(6)] == [C, H, F] * 2
+    assert [r.route(1, step) for step in range(6)] == [C, F] * 3
+    assert "compressed on the host" in r.opening()
+    for step in range(6):
+        r.record(0, r.route(0, step), {C: 2.0, H: 1.0, F: 9.0}[r.route(0, step)], step)
+        r.record(1, r.route(1, step), {C: 1.0, F: 9.0}[r.route(1, step)], step)
+    assert r.samples[0] == {"q": 2.0, "host": 1.0, "fp": 9.0}
+    r.adopt(r.own_routes())
+    assert r.routes == [H, C, F]
+    assert r.route_names() == ["compressed on the host", "compressed", "full precision"]
+    assert [r.compressed(j, 7) for j in range(3)] == [True, True, False]
+    line = r.summary()
+    assert "2 of 3 buckets compressed (1 on the host)" in line
+    assert "on the host (device 2000.000 ms)" in line
+    # a route a bucket cannot take is full precision: a checkpoint of another codec
+    other = routes.BucketRoutes([True, True, False], [4000, 400, 16], ["a", "b", "c"],
+                                warmup_steps=6, margin=0.5)
+    other.load_state_dict(r.state_dict())
+    assert other.routes == [F, C, F]
 
 
 def test_every_rank_adopts_rank_0s_routes():
@@ -205,14 +249,15 @@ def test_every_rank_adopts_rank_0s_routes():
 
         def allgather(self, values):
             self.sent = list(values)
-            return np.array([[1.0, 0.0, 1.0], values])
+            return np.array([[1.0, 0.0, 2.0], values])
     transport = Gathered()
-    assert routes.agree(transport, [False, True, False]) == [True, False, True]
-    assert transport.sent == [0.0, 1.0, 0.0]
-    assert routes.agree(None, [False, True]) == [False, True]  # one process
-    r = routes.BucketRoutes([True, True, True], [4, 4, 4], ["a", "b", "c"], warmup_steps=0)
+    assert routes.agree(transport, [F, C, H]) == [C, F, H]
+    assert transport.sent == [0.0, 1.0, 2.0]
+    assert routes.agree(None, [F, C]) == [F, C]  # one process
+    r = routes.BucketRoutes([True, True, True], [4, 4, 4], ["a", "b", "c"], warmup_steps=0,
+                            hosts=[False, False, True])
     r.adopt(routes.agree(transport, r.own_routes()))  # no samples: all full precision
-    assert r.routes == [True, False, True] and "rank 0's choice" in r.reason
+    assert r.routes == [C, F, H] and "rank 0's choice" in r.reason
 
 
 def test_a_bucket_in_full_precision_flushes_its_residual_as_the_host_path():
@@ -248,20 +293,52 @@ def test_a_bucket_in_full_precision_flushes_its_residual_as_the_host_path():
             return self.memory
     host = HostKey(g[1].numpy().copy(), residual.numpy().copy())
     stages.flush_residual(host)
-    b.compress = False  # the warm-up's full-precision step
+    b.route = routes.FULL  # the warm-up's full-precision step
     b.encode([g[1]], 1, flag)
     assert not b.sent_compressed
     assert np.array_equal(b.lanes.numpy(), host.grad_buf.a) and not host.memory.a.any()
     assert b.residual is not None and not b.residual.any()  # kept: compressed steps follow
-    b.compress = True
+    b.route = routes.COMPRESSED
     b.encode([g[2]], 1, flag)
     residual = b.residual.clone()
-    b.settle(False)  # the CTTab's decision: full precision from now on
+    b.settle(routes.FULL)  # the CTTab's decision: full precision from now on
     b.encode([g[3]], 1, flag)
     assert torch.equal(b.lanes, g[3] + residual) and b.residual is None
     b.encode([g[0]], 1, flag)
     assert torch.equal(b.lanes, g[0])  # an uncompressed bucket's lanes from here on
     assert float(flag) == 0.0
+
+
+def test_the_host_route_sends_the_device_codecs_lanes_bit_for_bit():
+    """2bit's host route (the Cython codec on the CPU) and its device route (torch ops),
+    alternated step by step as the warm-up does, give the lanes and the residual that the
+    device route alone gives; a NaN gradient sets the flag and writes nothing."""
+    codec = codecs.create("2bit", threshold=0.05)
+    sizes = (1000, 37)
+    named = _named(*sizes)
+    spec = buckets.BucketSpec((1, 0), 0, True)
+    opt = torch.optim.SGD([p for _, p in named], lr=0.1)
+    host = buckets.Bucket(spec, named, opt, codec.clone(), 3)
+    device = buckets.Bucket(spec, named, opt, codec.clone(), 3)
+    assert host.host_route and device.host_route
+    flag = torch.zeros((), dtype=torch.float64)
+    for step in range(6):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(sizes[1], generator=gen) * 0.1,
+                 torch.randn(sizes[0], generator=gen) * 0.1]
+        host.route = routes.HOST if step % 2 == 0 else routes.COMPRESSED
+        host.encode(grads, 3, flag, rank=1)
+        assert float(flag) == 0.0 and host.sent_compressed
+        device.encode(grads, 3, flag, rank=1)
+        assert torch.equal(host.lanes, device.lanes), step
+        assert torch.equal(host.residual, device.residual), step
+    lanes, residual = host.lanes.clone(), host.residual.clone()
+    host.route = routes.HOST
+    host.encode([torch.full((sizes[1],), float("nan")), torch.zeros(sizes[0])], 3, flag)
+    assert float(flag) == 1.0
+    assert torch.equal(host.lanes, lanes) and torch.equal(host.residual, residual)
+    onebit = buckets.Bucket(spec, named, opt, codecs.create("1bit"), 3)
+    assert not onebit.host_route  # 1bit's scale is the tensor's: no host route
 
 
 def test_a_fixed_threshold_keeps_its_routes_and_auto_warms_up(capsys):

@@ -5,8 +5,10 @@ import dataclasses
 
 import torch
 
+from ..codecs import NonFiniteGradientError
 from .device import _DTYPES, TorchDeviceCodec
 from .framework import _constructor_args
+from .routes import COMPRESSED, FULL, HOST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +76,10 @@ class Bucket:
             self.residual = None
             self.lanes = self._fp_lanes = torch.zeros(self.numel, dtype=torch.float32,
                                                       device=device)
-        # the route of the next encode (the CTTab's, routes.py): the codec, or full precision
-        self.compress = self.codec is not None
-        self.sent_compressed = self.compress  # the route of the lanes last encoded
+        # the route of the next encode (the CTTab's, routes.py): COMPRESSED (the device
+        # codec), HOST (the host codec) or FULL
+        self.route = COMPRESSED if self.codec is not None else FULL
+        self.sent_route = self.route  # the route of the lanes last encoded
         self.final = self.codec is None  # the route is kept from here on (settle())
         self.timing = None  # the warm-up: (bucket index, route, step, marks) until decoded
         self.mean = None  # the decoded mean gradient, from decode() to global_step()
@@ -111,24 +114,37 @@ class Bucket:
 
     @property
     def compressed(self):
-        """Whether the bucket takes the codec's route (the next encode's)."""
-        return self.codec is not None and self.compress
+        """Whether the bucket takes a codec's route, device or host (the next encode's)."""
+        return self.codec is not None and self.route != FULL
 
-    def settle(self, compressed):
-        """The CTTab's decision: the bucket keeps route `compressed` from now on, and lets go
-        of the other route's lanes (a full-precision bucket's residual goes once flushed)."""
-        self.compress = bool(compressed) and self.codec is not None
+    @property
+    def sent_compressed(self):
+        """Whether the lanes last encoded are the codec's (decode() decodes them alike)."""
+        return self.sent_route != FULL
+
+    @property
+    def host_route(self):
+        """Whether the host codec can take this bucket: a codec that encodes element by
+        element (2bit) keeps no state but the residual, which travels with it, so its lanes
+        are the device codec's bit for bit from either place, step after step."""
+        return self.codec is not None and self.codec.codec.traits.encodes_by_piece
+
+    def settle(self, route):
+        """The CTTab's decision: the bucket keeps `route` from now on, and lets go of the
+        other route's lanes (a full-precision bucket's residual goes once flushed)."""
+        self.route = route if self.codec is not None else FULL
         self.final = True
-        if self.compress:
+        if self.route != FULL:
             self._fp_lanes = None
         else:
             self._q_lanes = None
 
-    def encode(self, grads, num_workers, flag, rank=0):
+    def encode(self, grads, num_workers, flag, rank=0, counts=None):
         """This rank's gradient, with error feedback, into the lanes of its route (full
         precision: copied in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual)
-        is not finite; a gathered codec's values go into slot `rank`."""
-        self.sent_compressed = self.compressed
+        is not finite; a gathered codec's values go into slot `rank`. counts: the copy
+        accounting (copies.CopyCounts) the host route's copies go to."""
+        self.sent_route = self.route if self.codec is not None else FULL
         with torch.no_grad():
             if not self.sent_compressed:
                 if self._fp_lanes is None:
@@ -155,8 +171,34 @@ class Bucket:
                 dtype = _DTYPES[self.codec.codec.wire_dtype]
                 self._q_lanes = torch.zeros(n, dtype=dtype, device=flat.device)
             self.lanes = self._q_lanes
-            self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag,
-                              rank=rank)
+            if self.sent_route == HOST:
+                self._encode_on_host(flat, num_workers, flag, rank, counts)
+            else:
+                self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag,
+                                  rank=rank)
+
+    def _encode_on_host(self, flat, num_workers, flag, rank, counts):
+        """The host route: the Cython codec encodes the gradient (+ residual) on the CPU, on
+        this thread; on a CUDA device the gradient and residual come to the host and the
+        lanes and residual go back (a host synchronisation, counted)."""
+        on_host = not flat.is_cuda
+        grad = flat if on_host else flat.cpu()
+        residual = self.residual if on_host else self.residual.cpu()
+        lanes = self.lanes if on_host else torch.empty(self.lanes.shape, dtype=self.lanes.dtype)
+        try:
+            self.codec.codec.encode(grad.numpy(), residual.numpy(), num_workers,
+                                    out=lanes.numpy(), rank=rank)
+            flag.fill_(0.0)
+        except NonFiniteGradientError:  # nothing written: every rank drops the step
+            flag.fill_(1.0)
+            return
+        if not on_host:
+            self.residual.copy_(residual)
+            self.lanes.copy_(lanes)
+            if counts is not None:
+                counts.host_syncs += 1
+                counts.d2h_bytes += 2 * 4 * self.numel
+                counts.h2d_bytes += 4 * self.numel + lanes.numel() * lanes.element_size()
 
     def decode(self, num_workers, counts):
         """The summed lanes -> the mean gradient (mean, until global_step)."""

@@ -21,10 +21,11 @@ in one small tail summed after the buckets; it is read before the global update 
 guards, the step's one host synchronisation, so a poisoned sum writes nothing.
 
 With comm_threshold='auto' (the default) the CTTab chooses each bucket's route (routes.py):
-for config.warmup_steps steps every bucket that can be compressed alternates the codec's
-route and full precision, each timed (CUDA events on the stream that runs them, read once
-at the decision; wall time on the CPU); then each bucket keeps the faster, a compressed one
-only where it wins by cttab_margin, and every rank adopts rank 0's routes. A size in bytes,
+for config.warmup_steps steps every bucket that can be compressed cycles through the device
+codec, the host codec (2bit) and full precision, each timed (CUDA events on the stream that
+runs them, read once at the decision; wall time on the CPU); then each bucket keeps the
+fastest, a compressed one only where it wins by cttab_margin, and every rank adopts rank
+0's routes. A size in bytes,
 or 'off', fixes the routes at build time (no warm-up).
 """
 import time
@@ -143,7 +144,8 @@ class DevicePath:
                                    [_bucket_name(b) for b in self.buckets],
                                    mode="auto" if auto else "fixed",
                                    warmup_steps=config.warmup_steps,
-                                   margin=config.cttab_margin)
+                                   margin=config.cttab_margin,
+                                   hosts=[b.host_route for b in self.buckets])
         self._spans = []  # CUDA: warm-up samples whose events are read at the decision
         if self.routes.warming and self.rank == 0:
             notice.tell(self.routes.opening())
@@ -273,15 +275,15 @@ class DevicePath:
             b.local_step(grads if local_scale is None else [g * local_scale for g in grads])
         timed = self.routes.warming and b.codec is not None
         if timed:  # the warm-up: this step's route, timed from the encode to the decode
-            b.compress = self.routes.compressed(j, self.step_count)
+            b.route = self.routes.route(j, self.step_count)
             start = self._mark()
-        b.encode(grads, self.num_workers, self.tail[j], self.rank)
+        b.encode(grads, self.num_workers, self.tail[j], self.rank, self.counts)
         b.work = self._sum(b.lanes)
         if timed:  # the sum waited for (CUDA: the stream waits), in the warm-up only
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-            b.timing = (j, b.sent_compressed, self.step_count, [start, self._mark()])
+            b.timing = (j, b.sent_route, self.step_count, [start, self._mark()])
         b.step = self.step_count
 
     def step(self, grads_of, clip=None):
@@ -421,13 +423,12 @@ class DevicePath:
             return
         start = self._mark()
         b.decode(self.num_workers, self.counts)
-        j, compressed, step, marks = timing
+        j, route, step, marks = timing
         marks += [start, self._mark()]
         if self._cuda:
-            self._spans.append((j, compressed, step, marks))
+            self._spans.append((j, route, step, marks))
         else:
-            self.routes.record(j, compressed, (marks[1] - marks[0]) + (marks[3] - marks[2]),
-                               step)
+            self.routes.record(j, route, (marks[1] - marks[0]) + (marks[3] - marks[2]), step)
 
     # -- the CTTab (routes.py) -----------------------------------------------------------------
     def _mark(self):
@@ -446,12 +447,12 @@ class DevicePath:
             return
         self._spans[-1][3][-1].synchronize()
         self.counts.host_syncs += 1
-        for j, compressed, step, marks in self._spans:
+        for j, route, step, marks in self._spans:
             for event in marks:
                 if not event.query():  # recorded on another stream
                     event.synchronize()
             seconds = (marks[0].elapsed_time(marks[1]) + marks[2].elapsed_time(marks[3])) / 1e3
-            self.routes.record(j, compressed, seconds, step)
+            self.routes.record(j, route, seconds, step)
         self._spans = []
 
     def _decide(self):
@@ -559,9 +560,9 @@ class DevicePath:
     def stats(self):
         """What stats() reports of the device path (the codec's work is queued on the
         device, so it has no host-side encode or transfer times). routes: each bucket's
-        route ('compressed', 'full precision', or 'warm-up' while the CTTab times both);
-        compressed_buckets counts those that take the codec's route (in the warm-up, on its
-        compressed steps)."""
+        route ('compressed' on the device, 'compressed on the host', 'full precision', or
+        'warm-up' while the CTTab times them); compressed_buckets counts those that take a
+        codec's route (in the warm-up, every bucket that can)."""
         routes = self.routes.route_names()
         on = [r != "full precision" for r in routes]
         return {"compressor": self.config.compressor, "backup": self.config.backup,

@@ -1,78 +1,106 @@
 """The device path's CTTab (SlimGC Strategy 1, per bucket): which route each bucket takes,
-the device codec or full precision.
+the device codec, the host codec (the Cython codec on the CPU) or full precision.
 
 With comm_threshold='auto', every bucket that could be compressed (one whose codec the
-device serves) alternates the two routes for the warm-up's steps: even steps (counted from
-the warm-up's start) the compressed route (error feedback and encode, the lanes' sum,
-decode), odd steps the full-precision route (the flat gradient summed in float32 and
-divided, as an uncompressed bucket's). DevicePath times each route of each bucket (CUDA
+device serves) cycles through its routes for the warm-up's steps, counted from the
+warm-up's start: the device codec (error feedback and encode in torch ops, the lanes' sum,
+decode), the host codec where the bucket has one (host_route(): the gradient and residual
+brought to the host, the Cython codec's encode on its CPU threads, the lanes and residual
+back; the same lanes bit for bit), and full precision (the flat gradient summed in float32
+and divided, as an uncompressed bucket's). DevicePath times each route of each bucket (CUDA
 events read once at the decision, or wall time on the CPU) and hands the times to
 record(); each bucket keeps its fastest sample per route, since interference only adds
 time (as engine/cttab.py's keys do).
 
-At the end of the warm-up each bucket is compressed only where its compressed time, counted
-1 + cttab_margin times, is below its full-precision time (choose(): the host CTTab's
-margin, per bucket instead of per size cut; a tie, or a bucket not timed on both routes,
-goes full precision). Full precision is always a candidate, so on a link where compression
-does not pay every bucket goes full precision and the job runs DDP's schedule. Every rank
-adopts rank 0's routes (agree()), and from then on each bucket keeps its route.
+At the end of the warm-up each bucket takes its faster compressed route only where that
+route's time, counted 1 + cttab_margin times, is below its full-precision time (choose():
+the host CTTab's margin, per bucket instead of per size cut; a tie, or a bucket not timed
+on full precision and a compressed route, goes full precision; a tie between the device
+and the host goes to the device). Full precision is always a candidate, so on a link where
+compression does not pay every bucket goes full precision and the job runs DDP's schedule.
+Every rank adopts rank 0's routes (agree()), and from then on each bucket keeps its route.
 
-The third candidate of the paper's Strategy 1, CPU offload, is the host path's
-(data_path='host', offload='auto').
+The host codec runs on the training thread, waiting for the gradient's copy to the host: it
+wins where the CPU encodes faster than the device (a model on the CPU: the Cython kernel
+against torch ops), not where the paper's offload hides the CPU's work behind the device's
+(that is the host path's, data_path='host', offload='auto').
 """
 import math
 
 from ..engine.cttab import format_bytes, plain_number
 
 #: A bucket's route, as stats() reports it.
-COMPRESSED, FULL, WARMUP = "compressed", "full precision", "warm-up"
+COMPRESSED, HOST, FULL, WARMUP = "compressed", "compressed on the host", "full precision", \
+    "warm-up"
+#: Each route's sample in a bucket's warm-up record, and its code in agree()'s allgather.
+_SAMPLE = {COMPRESSED: "q", HOST: "host", FULL: "fp"}
+_CODE = {FULL: 0.0, COMPRESSED: 1.0, HOST: 2.0}
 
 
 def choose(samples, margin):
-    """Per bucket, True where the compressed route wins: samples[j] is bucket j's
-    {'q': fastest compressed time, 'fp': fastest full-precision time} (either None where
-    not timed), or None for a bucket that cannot be compressed. Compressed only if
-    q * (1 + margin) < fp: a tie, or a missing time, is full precision."""
+    """Per bucket, its route: samples[j] is bucket j's {'q': fastest device-codec time,
+    'host': fastest host-codec time, 'fp': fastest full-precision time} (each None, or
+    absent, where not timed), or None for a bucket that cannot be compressed. The faster
+    compressed route (the device on a tie) only if its time * (1 + margin) < fp: a tie, or a
+    missing time, is full precision."""
     out = []
     for s in samples:
-        q, fp = (s or {}).get("q"), (s or {}).get("fp")
-        out.append(q is not None and fp is not None and q * (1 + margin) < fp)
+        s = s or {}
+        fp, best, route = s.get("fp"), None, FULL
+        for name in (COMPRESSED, HOST):
+            t = s.get(_SAMPLE[name])
+            if t is not None and (best is None or t < best):
+                best, route = t, name
+        out.append(route if best is not None and fp is not None and best * (1 + margin) < fp
+                   else FULL)
     return out
 
 
 def agree(transport, routes):
-    """Rank 0's routes (a list of bools) on every rank, gathered over `transport` (the
-    host transport's allgather, as the host CTTab agrees on its BestCT)."""
+    """Rank 0's routes (a list of route names) on every rank, gathered over `transport`
+    (the host transport's allgather, as the host CTTab agrees on its BestCT)."""
     if transport is None or transport.num_workers == 1:
         return list(routes)
-    rows = transport.allgather([1.0 if r else 0.0 for r in routes])
-    return [bool(v > 0) for v in rows[0]]
+    rows = transport.allgather([_CODE[r] for r in routes])
+    names = {code: name for name, code in _CODE.items()}
+    return [names[float(v)] for v in rows[0]]
 
 
 class BucketRoutes:
     """The routes of a DevicePath's buckets and, with mode 'auto', their warm-up.
 
     candidates[j]: bucket j can be compressed (it has a codec); sizes[j]: its bytes in
-    float32; names[j]: how messages name it. mode: 'auto', or 'fixed' (comm_threshold a
-    size or 'off': every candidate compressed from the start, no warm-up)."""
+    float32; names[j]: how messages name it; hosts[j]: it has a host codec too (default
+    none). mode: 'auto', or 'fixed' (comm_threshold a size or 'off': every candidate on the
+    device codec from the start, no warm-up)."""
 
-    def __init__(self, candidates, sizes, names, mode="auto", warmup_steps=20, margin=0.5):
+    def __init__(self, candidates, sizes, names, mode="auto", warmup_steps=20, margin=0.5,
+                 hosts=None):
         self.candidates = list(candidates)
+        self.hosts = [bool(h) and c for h, c in zip(hosts or [False] * len(self.candidates),
+                                                     self.candidates)]
         self.sizes = list(sizes)
         self.names = list(names)
         self.mode = mode
         self.warmup_steps = int(warmup_steps)
         self.margin = float(margin)
         self.start = 0  # the step the warm-up starts at
-        self.samples = [{"q": None, "fp": None} if c else None for c in self.candidates]
+        self.samples = [self._empty(j) if c else None for j, c in enumerate(self.candidates)]
         if mode == "auto" and any(self.candidates):
             self.phase = "warmup"
             self.routes = None
             self.reason = None
         else:
             self.phase = "fixed"
-            self.routes = list(self.candidates)
+            self.routes = [COMPRESSED if c else FULL for c in self.candidates]
             self.reason = None
+
+    def _empty(self, j):
+        return {_SAMPLE[r]: None for r in self._cycle(j)}
+
+    def _cycle(self, j):
+        """Bucket j's routes in the warm-up's order."""
+        return (COMPRESSED, HOST, FULL) if self.hosts[j] else (COMPRESSED, FULL)
 
     @property
     def warming(self):
@@ -82,21 +110,26 @@ class BucketRoutes:
         """True when the warm-up is over and the routes must be chosen before `step`."""
         return self.warming and step >= self.start + self.warmup_steps
 
-    def compressed(self, j, step):
-        """Bucket j's route at `step`: True for the device codec, False for full precision."""
+    def route(self, j, step):
+        """Bucket j's route at `step`: COMPRESSED (the device codec), HOST or FULL."""
         if not self.candidates[j]:
-            return False
+            return FULL
         if self.warming:
-            return (step - self.start) % 2 == 0
+            cycle = self._cycle(j)
+            return cycle[(step - self.start) % len(cycle)]
         return self.routes[j]
 
-    def record(self, j, compressed, seconds, step):
-        """One warm-up sample: bucket j's route (`compressed`) took `seconds` at `step`;
-        the fastest of each route is kept."""
+    def compressed(self, j, step):
+        """Whether bucket j's route at `step` sends the codec's lanes (device or host)."""
+        return self.route(j, step) != FULL
+
+    def record(self, j, route, seconds, step):
+        """One warm-up sample: bucket j's `route` took `seconds` at `step`; the fastest of
+        each route is kept."""
         if not self.warming or self.samples[j] is None:
             return
-        key = "q" if compressed else "fp"
-        best = self.samples[j][key]
+        key = _SAMPLE[route]
+        best = self.samples[j].get(key)
         if best is None or seconds < best:
             self.samples[j][key] = seconds
 
@@ -106,18 +139,20 @@ class BucketRoutes:
 
     def adopt(self, routes):
         """Enter the decided phase with the `routes` every rank agreed on."""
-        self.routes = [bool(r) and c for r, c in zip(routes, self.candidates)]
+        self.routes = self._allowed(routes)
         self.phase = "decided"
         self.reason = self.explain(own=self.own_routes())
+
+    def _allowed(self, routes):
+        """`routes` where each bucket can take them (FULL elsewhere)."""
+        return [r if c and (r != HOST or h) else FULL
+                for r, c, h in zip(routes, self.candidates, self.hosts)]
 
     def route_names(self):
         """Each bucket's route as stats() says it."""
         if self.warming:
             return [WARMUP if c else FULL for c in self.candidates]
-        return [COMPRESSED if r else FULL for r in self.routes]
-
-    def _ratio(self, s):
-        return s["fp"] / s["q"] if s["q"] else math.inf
+        return list(self.routes)
 
     def _listed(self, js):
         text = ", ".join("%s, %s (%s)" % (self.names[j], format_bytes(self.sizes[j]),
@@ -126,10 +161,19 @@ class BucketRoutes:
 
     def _benefit(self, j):
         s = self.samples[j]
-        if s["q"] is None or s["fp"] is None:
+        q = [(s.get(_SAMPLE[r]), r) for r in (COMPRESSED, HOST) if s.get(_SAMPLE[r]) is not None]
+        if s["fp"] is None or not q:
             return "not timed on both routes"
-        return "t_fp %.3f ms / t_q %.3f ms = %.2f" % (s["fp"] * 1e3, s["q"] * 1e3,
-                                                     self._ratio(s))
+        t, route = min(q, key=lambda x: x[0])
+        text = "t_fp %.3f ms / t_q %.3f ms = %.2f" % (s["fp"] * 1e3, t * 1e3, s["fp"] / t
+                                                      if t else math.inf)
+        if s.get("host") is not None:
+            text += ", %s" % ("on the host" if route == HOST else "on the device")
+            other = s["host"] if route == COMPRESSED else s["q"]
+            if other is not None:
+                text += " (%s %.3f ms)" % ("host" if route == COMPRESSED else "device",
+                                           other * 1e3)
+        return text
 
     def explain(self, own=None):
         """Why the routes are what they are, in one sentence."""
@@ -137,13 +181,12 @@ class BucketRoutes:
             return "fixed by comm_threshold (no warm-up)"
         bar = "1 + cttab_margin = %s" % plain_number(1 + self.margin)
         how = ("each bucket compressed only where its full-precision time over its compressed "
-               "time (encode, sum, decode; the fastest of its warm-up samples) is above %s"
-               % bar)
-        if own is not None and list(own) != [bool(r) and c for r, c in
-                                             zip(self.routes, self.candidates)]:
+               "time (encode, sum, decode; the fastest of its warm-up samples, on the device "
+               "or the host, whichever is faster) is above %s" % bar)
+        if own is not None and self._allowed(own) != list(self.routes):
             how += "; rank 0's choice, which every rank adopts (this rank's own differs)"
-        on = [j for j, r in enumerate(self.routes) if r]
-        off = [j for j, c in enumerate(self.candidates) if c and not self.routes[j]]
+        on = [j for j, r in enumerate(self.routes) if r != FULL]
+        off = [j for j, c in enumerate(self.candidates) if c and self.routes[j] == FULL]
         text = how
         if on:
             text += "; compressed: " + self._listed(on)
@@ -153,10 +196,12 @@ class BucketRoutes:
 
     def summary(self):
         """The line rank 0 tells at the decision."""
-        on = [j for j, r in enumerate(self.routes) if r]
-        text = "device path CTTab: %d of %d buckets compressed (%s of %s): %s" % (
-            len(on), len(self.routes), format_bytes(sum(self.sizes[j] for j in on)),
-            format_bytes(sum(self.sizes)), self.reason)
+        on = [j for j, r in enumerate(self.routes) if r != FULL]
+        host = sum(self.routes[j] == HOST for j in on)
+        text = "device path CTTab: %d of %d buckets compressed%s (%s of %s): %s" % (
+            len(on), len(self.routes), " (%d on the host)" % host if host else "",
+            format_bytes(sum(self.sizes[j] for j in on)), format_bytes(sum(self.sizes)),
+            self.reason)
         if not on:
             text += ("; nothing is compressed, so the step is DDP's (comm_threshold='off' "
                      "compresses every bucket)")
@@ -165,9 +210,11 @@ class BucketRoutes:
     def opening(self):
         """The line rank 0 tells at start of a warm-up."""
         return ("device path CTTab: a warm-up of %d steps times each of the %d buckets that "
-                "can be compressed on both routes, compressed and full precision, then "
-                "routes each to the faster (a compressed one must win by cttab_margin %s)"
-                % (self.warmup_steps, sum(self.candidates), plain_number(self.margin)))
+                "can be compressed on each of its routes, compressed on the device%s and full "
+                "precision, then routes each to the fastest (a compressed one must win by "
+                "cttab_margin %s)" % (self.warmup_steps, sum(self.candidates),
+                                      ", compressed on the host" if any(self.hosts) else "",
+                                      plain_number(self.margin)))
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
@@ -188,8 +235,11 @@ class BucketRoutes:
                              % (len(state["samples"]), len(self.candidates)))
         self.phase = state["phase"]
         self.start = int(state["start"])
-        self.routes = None if state["routes"] is None else [bool(r) for r in state["routes"]]
-        self.samples = [None if s is None else dict(s) for s in state["samples"]]
+        routes = state["routes"]  # route names; True/False in checkpoints of two routes
+        self.routes = None if routes is None else self._allowed(
+            [{True: COMPRESSED, False: FULL}.get(r, r) for r in routes])
+        self.samples = [None if s is None else dict(self._empty(j), **s)
+                        for j, s in enumerate(state["samples"])]
         self.reason = state.get("reason")
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import slimgc_mx.torch as slimgc
-from slimgc_mx.torch.routes import BucketRoutes
+from slimgc_mx.torch.routes import FULL, BucketRoutes
 from common import batch, digest, model, record, weights
 
 out, mode = sys.argv[1], sys.argv[2]
@@ -196,16 +196,18 @@ elif mode == "resume":
 elif mode == "cttab":
     WARMUP = 4
 
-    def auto_run(compression, backup, steps=10, save_at=None, state=None, at_warmup=None):
-        """SGD with momentum under comm_threshold='auto'; resumed from `state` (taken at
-        step `save_at` of an earlier run) where given; at_warmup(opt, net) runs once the
-        warm-up's steps are done. The flushed weights, the stats and the state saved."""
+    def auto_run(compression, backup, steps=10, save_at=None, state=None, at_warmup=None,
+                 warmup=WARMUP):
+        """SGD with momentum under comm_threshold='auto' with `warmup` steps; resumed from
+        `state` (taken at step `save_at` of an earlier run) where given; at_warmup(opt, net)
+        runs once the warm-up's steps are done. The flushed weights, the stats and the
+        state saved."""
         net = model()
         opt = slimgc.DistributedOptimizer(make_opt(net, "sgd"), net, compression=compression,
                                           backup=backup, data_path="device",
-                                          warmup_steps=WARMUP)
+                                          warmup_steps=warmup)
         saved = resumable(opt, net, steps, save_at, state,
-                          None if at_warmup is None else (WARMUP, at_warmup))
+                          None if at_warmup is None else (warmup, at_warmup))
         params = weights(net).clone()
         opt.flush()
         stats = opt.stats()
@@ -216,12 +218,13 @@ elif mode == "cttab":
                 "phase": stats["cttab_phase"], "reason": stats["cttab_reason"],
                 "steps": stats["steps"]}, weights(net).clone(), saved
 
-    def injected(times):
+    def injected(times, by_route=False):
         """BucketRoutes.record with each sample's seconds replaced by times(j, compressed,
-        step) (every BucketRoutes of this process), until restored."""
+        step) (by_route: times(j, route, step)) (every BucketRoutes of this process), until
+        restored."""
         original = BucketRoutes.record
-        BucketRoutes.record = lambda self, j, compressed, seconds, step: original(
-            self, j, compressed, times(j, compressed, step), step)
+        BucketRoutes.record = lambda self, j, route, seconds, step: original(
+            self, j, route, times(j, route if by_route else route != FULL, step), step)
         return original
 
     result = {}
@@ -243,7 +246,10 @@ elif mode == "cttab":
         BucketRoutes.record = original
 
     # forced to full precision (the full-precision route timed faster), backup off: from
-    # the warm-up's weights and momentum on, the step is DDP's
+    # the warm-up's weights and momentum on, the step is DDP's (2bit's warm-up cycles the
+    # device codec, the host codec and full precision: 3 steps end on full precision,
+    # which flushes the residual inside the warm-up)
+    FULL_WARMUP = 3
     taken = {}
 
     def take(opt, net):
@@ -251,7 +257,8 @@ elif mode == "cttab":
         taken["device_path"] = opt.state_dict()["device_path"]
     original = injected(lambda j, compressed, step: 2.0 if compressed else 1.0)
     try:
-        result["full"], device_w, _ = auto_run("2bit", False, at_warmup=take)
+        result["full"], device_w, _ = auto_run("2bit", False, at_warmup=take,
+                                                warmup=FULL_WARMUP)
     finally:
         BucketRoutes.record = original
     net = model()
@@ -265,7 +272,7 @@ elif mode == "cttab":
         for k, name in enumerate(b["names"]):
             opt.state[by_name[name]] = {"momentum_buffer":
                                         b["optimizer"]["state"][k]["momentum_buffer"].clone()}
-    for step in range(WARMUP, 10):
+    for step in range(FULL_WARMUP, 10):
         opt.zero_grad()
         x, y = batch(step, rank)
         F.cross_entropy(ddp(x), y).backward()
@@ -274,6 +281,17 @@ elif mode == "cttab":
     result["full"]["moved_after"] = float(
         (weights(net) - torch.cat([taken["weights"][n].reshape(-1)
                                    for n, _ in net.named_parameters()])).abs().max())
+
+    # 2bit's host route (the Cython codec) timed fastest, then the device codec: the same
+    # lanes from either place, so the same weights
+    for fastest in ("compressed on the host", "compressed"):
+        original = injected(lambda j, route, step: 0.5 if route == fastest else
+                            (1.0 if route != FULL else 4.0), by_route=True)
+        try:
+            result["host" if fastest != "compressed" else "device"], _, _ = auto_run("2bit",
+                                                                                     True)
+        finally:
+            BucketRoutes.record = original
 
     # resumed mid-warm-up (step 2) and after the decision (step 6): timings injected so
     # that the compressed route of the even buckets wins by its samples of steps 0 and 1
