@@ -90,6 +90,7 @@ case "$cmd" in
         # worker (they share launched jobs); SLIMGC_TEST_WORKERS=0 runs them in this process.
         workers=${SLIMGC_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
         [ "$workers" -gt 4 ] && workers=4
+        unset SLIMGC_TEST_WORKERS  # this script's, not a slimgc option: not for the tests
         exec "$VENV/bin/python" -m pytest -q -n "$workers" --dist loadfile "${quick[@]}" "$@" ;;
     train)
         setup
