@@ -88,9 +88,9 @@ class Bucket:
         """How messages name the bucket: its parameters' names, e.g. 'parameters conv0_bias,
         dense0_bias (fused)'; keys without a name as 'keys 0..64 (fused)'."""
         keys = list(self.members)
-        names = [name_of(k) for k in keys]
+        names = [name_of(k) for k in keys[:6]]  # the ones shown (500 keys: 500 lookups a step)
         if any(n is not None for n in names):
-            shown = ", ".join(n if n is not None else repr(k) for n, k in zip(names[:6], keys))
+            shown = ", ".join(n if n is not None else repr(k) for n, k in zip(names, keys))
             more = " and %d more" % (len(keys) - 6) if len(keys) > 6 else ""
             return "parameter%s %s%s (fused)" % ("s" if len(keys) > 1 else "", shown, more)
         if len(keys) == 1:
