@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "gpu": "slimgc_mx.bench.gpu",
     "passes": "slimgc_mx.bench.passes",
     "scale": "slimgc_mx.bench.scale",
+    "small-keys": "slimgc_mx.bench.small_keys",
 }
 
 PROG = "python -m slimgc_mx.bench"
