@@ -71,7 +71,7 @@ def run_once(root, args, folder):
     port = _free_port()
     procs, logs = [], []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLIMGC_")}
+        env = dict(os.environ)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE="2", LOCAL_RANK=str(rank), PYTHONPATH=root,
                    OMP_NUM_THREADS="1")
