@@ -309,32 +309,46 @@ def test_a_bucket_in_full_precision_flushes_its_residual_as_the_host_path():
     assert float(flag) == 0.0
 
 
-def test_the_host_route_sends_the_device_codecs_lanes_bit_for_bit():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here (run on a GPU machine)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_host_route_sends_the_device_codecs_lanes_bit_for_bit(device):
     """2bit's host route (the Cython codec on the CPU) and its device route (torch ops),
     alternated step by step as the warm-up does, give the lanes and the residual that the
-    device route alone gives; a NaN gradient sets the flag and writes nothing."""
+    device route alone gives; a NaN gradient sets the flag and writes nothing. On CUDA its
+    copies are counted: a host synchronisation and pageable bytes per host encode."""
+    from slimgc_mx.torch.copies import CopyCounts
+
     codec = codecs.create("2bit", threshold=0.05)
     sizes = (1000, 37)
-    named = _named(*sizes)
+    named = [(n, torch.nn.Parameter(p.detach().to(device))) for n, p in _named(*sizes)]
     spec = buckets.BucketSpec((1, 0), 0, True)
     opt = torch.optim.SGD([p for _, p in named], lr=0.1)
     host = buckets.Bucket(spec, named, opt, codec.clone(), 3)
-    device = buckets.Bucket(spec, named, opt, codec.clone(), 3)
-    assert host.host_route and device.host_route
-    flag = torch.zeros((), dtype=torch.float64)
+    device_only = buckets.Bucket(spec, named, opt, codec.clone(), 3)
+    assert host.host_route and device_only.host_route
+    flag = torch.zeros((), dtype=torch.float64, device=device)
+    counts = CopyCounts()
     for step in range(6):
         gen = torch.Generator().manual_seed(step)
-        grads = [torch.randn(sizes[1], generator=gen) * 0.1,
-                 torch.randn(sizes[0], generator=gen) * 0.1]
+        grads = [(torch.randn(sizes[1], generator=gen) * 0.1).to(device),
+                 (torch.randn(sizes[0], generator=gen) * 0.1).to(device)]
         host.route = routes.HOST if step % 2 == 0 else routes.COMPRESSED
-        host.encode(grads, 3, flag, rank=1)
+        host.encode(grads, 3, flag, rank=1, counts=counts)
         assert float(flag) == 0.0 and host.sent_compressed
-        device.encode(grads, 3, flag, rank=1)
-        assert torch.equal(host.lanes, device.lanes), step
-        assert torch.equal(host.residual, device.residual), step
+        device_only.encode(grads, 3, flag, rank=1)
+        assert torch.equal(host.lanes, device_only.lanes), step
+        assert torch.equal(host.residual, device_only.residual), step
+    if device == "cuda":
+        assert counts.host_syncs == 3 and counts.pageable_bytes > 0
+    else:  # the host's own memory: no copy
+        assert counts == CopyCounts()
     lanes, residual = host.lanes.clone(), host.residual.clone()
     host.route = routes.HOST
-    host.encode([torch.full((sizes[1],), float("nan")), torch.zeros(sizes[0])], 3, flag)
+    host.encode([torch.full((sizes[1],), float("nan"), device=device),
+                 torch.zeros(sizes[0], device=device)], 3, flag)
     assert float(flag) == 1.0
     assert torch.equal(host.lanes, lanes) and torch.equal(host.residual, residual)
     onebit = buckets.Bucket(spec, named, opt, codecs.create("1bit"), 3)
