@@ -178,38 +178,52 @@ def test_conv_gradients_are_read_in_place_with_the_copy_paths_weights(monkeypatc
             np.testing.assert_array_equal(a, b)
 
 
+def _relaid_on_demand(monkeypatch, size):
+    """A list: ArrayInPlace.held refuses the arrays put in it (LayoutError), as it refuses
+    one that MXNet has relaid in MKLDNN's layout since the probe."""
+    from slimgc_mx.mxnet.buffers import LayoutError
+
+    relaid = []
+    original = ArrayInPlace.held
+
+    def held(self):
+        if any(self.nd.handle.value == nd.handle.value for nd in relaid):
+            raise LayoutError("an array of shape (%d,) is in MKLDNN's layout" % size)
+        return original(self)
+
+    monkeypatch.setattr(ArrayInPlace, "held", held)
+    return relaid
+
+
+def _pushed_in_place(transport, size, rank):
+    """(kv, w, grad, glo, in_place): a 2bit store with backup after four pushes of this
+    worker's gradient, drained; glo its global weights then, in_place whether the push
+    read the gradient in place."""
+    kv, w = th.compressed_sgd_store(transport, size)
+    grad = mx.nd.array(np.linspace(-1, 1, size) * (rank + 1))
+    for _ in range(4):
+        kv.pushpull(0, grad, out=w)
+    kv._agg.pipeline.wait_idle(30)
+    glo = kv._agg.backup.glo_buf(0).asnumpy()
+    return kv, w, grad, glo, kv._agg.planner.keys[0].grad_in_place
+
+
 def test_a_gradient_relaid_after_the_probe_fails_loudly(monkeypatch):
     """Should a gradient read in place turn up in MKLDNN's layout, the operator refuses it
     (LayoutError through DLPack) and every worker's next wait raises it: nothing is sent
     from a relaid array (the refused push goes out as NaN naming its worker, so no sum of
     that step is used) and no weight is updated."""
     from slimgc_mx.engine.offload import PipelineError
-    from slimgc_mx.mxnet.buffers import LayoutError
 
     size = 3000
-    relaid = []
-
-    def held(self):
-        if relaid:
-            raise LayoutError("an array of shape (%d,) is in MKLDNN's layout" % size)
-        return original(self)
-
-    original = ArrayInPlace.held
-    monkeypatch.setattr(ArrayInPlace, "held", held)
+    relaid = _relaid_on_demand(monkeypatch, size)
     both = threading.Barrier(2)
 
     def worker(rank, transport):
-        kv, w = th.compressed_sgd_store(transport, size)
-        grad = mx.nd.array(np.linspace(-1, 1, size) * (rank + 1))
-        for _ in range(4):
-            kv.pushpull(0, grad, out=w)
-        kv._agg.pipeline.wait_idle(30)
-        b = kv._agg.planner.keys[0]
-        glo = kv._agg.backup.glo_buf(0).asnumpy()
+        kv, w, grad, glo, in_place = _pushed_in_place(transport, size, rank)
         pushed = kv.stats()["bytes_pushed"]
-        in_place = b.grad_in_place
         both.wait()  # both workers have read in place before the layout changes
-        relaid.append(rank)
+        relaid.append(grad)
         kv.pushpull(0, grad, out=w)
         with pytest.raises(PipelineError) as info:
             kv.pushpull(0, grad, out=w)
@@ -229,28 +243,13 @@ def test_one_workers_relaid_gradient_fails_its_peer_too(monkeypatch):
     as NaN naming it, so worker 0 fails that sum too instead of adding a stale bit_buf
     (an earlier step's encode) to its weights, or waiting for a push that never comes."""
     from slimgc_mx.engine.offload import NonFiniteAggregateError, PipelineError
-    from slimgc_mx.mxnet.buffers import LayoutError
 
     size = 3000
-    relaid = []  # worker 1's gradient, once it is relaid
-    original = ArrayInPlace.held
-
-    def held(self):
-        if any(self.nd.handle.value == nd.handle.value for nd in relaid):
-            raise LayoutError("an array of shape (%d,) is in MKLDNN's layout" % size)
-        return original(self)
-
-    monkeypatch.setattr(ArrayInPlace, "held", held)
+    relaid = _relaid_on_demand(monkeypatch, size)  # worker 1's gradient, once it is relaid
     both = threading.Barrier(2)
 
     def worker(rank, transport):
-        kv, w = th.compressed_sgd_store(transport, size)
-        grad = mx.nd.array(np.linspace(-1, 1, size) * (rank + 1))
-        for _ in range(4):
-            kv.pushpull(0, grad, out=w)
-        kv._agg.pipeline.wait_idle(30)
-        glo = kv._agg.backup.glo_buf(0).asnumpy()
-        in_place = kv._agg.planner.keys[0].grad_in_place
+        kv, w, grad, glo, in_place = _pushed_in_place(transport, size, rank)
         both.wait()
         if rank == 1:
             relaid.append(grad)
