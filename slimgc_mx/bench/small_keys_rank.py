@@ -10,30 +10,32 @@ import torch.distributed as dist
 
 
 class Tiny(torch.nn.Module):
-    """`count` parameters of 4 elements, weighed by the input."""
+    """`count` parameters of 4 elements and `large` of 4096, weighed by the input."""
 
-    def __init__(self, count):
+    def __init__(self, count, large=0):
         super().__init__()
         torch.manual_seed(0)
-        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4))
-                                          for _ in range(count)])
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n))
+                                          for n in [4] * count + [4096] * large])
 
     def forward(self, x):
         return sum((x * p).sum() for p in self.ps)
 
 
-def run(mode, spec, rank):
-    """Each step's seconds (zero_grad, forward, backward, step) under `mode` ('ddp' or
-    'slimgc'); with SlimGC also the transfers after each step and its CTTab's decision."""
+def run(mode, count, options, steps, rank, large=0):
+    """(net, opt, seconds, transfers): a Tiny trained `steps` steps by DDP (`mode` 'ddp') or
+    SlimGC with `options`, each step's seconds (zero_grad, forward, backward, step) and,
+    with SlimGC, its transfers after each step; SlimGC's optimizer is left open for the
+    caller to read and close."""
     import slimgc_mx.torch as slimgc
-    net = Tiny(spec["params"])
+    net = Tiny(count, large)
     base = torch.optim.SGD(net.parameters(), lr=0.01)
     if mode == "ddp":
         wrapped, opt = torch.nn.parallel.DistributedDataParallel(net), base
     else:
-        wrapped, opt = net, slimgc.DistributedOptimizer(base, net, **spec["options"])
+        wrapped, opt = net, slimgc.DistributedOptimizer(base, net, **options)
     seconds, transfers = [], []
-    for step in range(spec["steps"]):
+    for step in range(steps):
         x = torch.tensor(float(step + rank))
         start = time.perf_counter()
         opt.zero_grad()
@@ -42,6 +44,13 @@ def run(mode, spec, rank):
         seconds.append(time.perf_counter() - start)
         if mode != "ddp":
             transfers.append(opt.stats()["transfers"])
+    return net, opt, seconds, transfers
+
+
+def _measured(mode, spec, rank):
+    """run()'s seconds, and with SlimGC its transfers and its CTTab's decision."""
+    import slimgc_mx.torch as slimgc
+    _, opt, seconds, transfers = run(mode, spec["params"], spec["options"], spec["steps"], rank)
     out = {"seconds": seconds}
     if mode != "ddp":
         slimgc.flush(opt)
@@ -58,7 +67,7 @@ def main():
         spec = json.load(f)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {mode: run(mode, spec, rank) for mode in ("ddp", "slimgc")}
+    result = {mode: _measured(mode, spec, rank) for mode in ("ddp", "slimgc")}
     dist.barrier()
     dist.destroy_process_group()
     best = result["slimgc"].get("best_ct")
