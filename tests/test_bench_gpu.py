@@ -69,6 +69,21 @@ def test_a_failing_config_is_recorded_and_the_others_still_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_profile_writes_rank_0s_busiest_operators_outside_the_timed_steps(tmp_path):
+    r = _bench("--model", "tiny", "--device", "cpu", "--procs", "2", "--steps", "2",
+               "--warmup", "1", "--configs", "slimgc-offload", "--profile", "2",
+               "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = (tmp_path / "profile-tiny-slimgc-offload-p2.txt").read_text()
+    assert text.startswith("tiny, slimgc-offload, 2 steps profiled on rank 0")
+    assert "Self CPU" in text and "aten::" in text
+    rec = json.loads((tmp_path / "results.json").read_text())["results"][0]
+    assert rec["status"] == "ok"
+    assert [rank.get("profile") for rank in rec["ranks"]] == [
+        str(tmp_path / "profile-tiny-slimgc-offload-p2.txt"), None]
+
+
+@pytest.mark.slow
 def test_bad_arguments_name_the_problem():
     r = _bench("--configs", "ddp,nonesuch")
     assert r.returncode == 2 and "nonesuch" in r.stderr and "slimgc-offload" in r.stderr

@@ -127,6 +127,10 @@ def parse_args(argv, prog):
                    help="where the model runs (default cuda; every rank on GPU 0)")
     p.add_argument("--timeout", type=_positive, default=240,
                    help="seconds one config may take before its ranks are killed (240)")
+    p.add_argument("--profile", type=_count, default=0, metavar="STEPS",
+                   help="after the timed steps, rank 0 runs STEPS more under torch.profiler "
+                        "and writes its busiest operators (device and host time) to "
+                        "profile-MODEL-CONFIG-pP.txt in --out (default 0: none)")
     p.add_argument("--project-workers", type=_counts,
                    default=[8, 16], help="worker counts of the projection (default 8,16)")
     p.add_argument("--out", default=os.path.join("results", "gpu"),
@@ -209,7 +213,10 @@ def run_config(config, model, procs, args, work):
     """One config at `procs` ranks, in fresh processes: a record with each rank's result,
     or the error / timeout that stopped it."""
     spec = {"config": config, "model": model, "batch": args.batch, "steps": args.steps,
-            "warmup": args.warmup, "device": args.device, "backend": args.backend}
+            "warmup": args.warmup, "device": args.device, "backend": args.backend,
+            "profile": args.profile,
+            "profile_path": os.path.abspath(os.path.join(
+                args.out, "profile-%s-%s-p%d.txt" % (model, config, procs)))}
     folder = tempfile.mkdtemp(prefix="%s-%s-%d-" % (model, config, procs), dir=work)
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w") as f:
@@ -520,6 +527,39 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _train_step(opt, net, x, y, F):
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(net(x), y).backward()
+    opt.step()
+
+
+def _profile(spec, rank, device, step):
+    """spec['profile'] more steps (every rank takes them: they exchange), rank 0's under
+    torch.profiler; its busiest operators by device and by host time go to profile_path."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    if rank != 0:
+        for _ in range(spec["profile"]):
+            step()
+        _sync(device)
+        return
+    with profile(activities=activities) as prof:
+        for _ in range(spec["profile"]):
+            step()
+        _sync(device)
+    table = prof.key_averages()
+    parts = ["%s, %s, %d steps profiled on rank 0 (times are totals over them)\n"
+             % (spec["model"], spec["config"], spec["profile"])]
+    if device.type == "cuda":
+        parts.append(table.table(sort_by="self_cuda_time_total", row_limit=30))
+    parts.append(table.table(sort_by="self_cpu_time_total", row_limit=30))
+    with open(spec["profile_path"], "w") as f:
+        f.write("\n".join(parts))
+
+
 def _copy_ms(model, device, repeats=5):
     """Median ms of copying every parameter's gradient to pinned host memory and back (the
     D2H/H2D a step moves when the codec runs on the CPU); a memcpy on the CPU."""
@@ -628,6 +668,10 @@ def run_rank(spec):
         out["composition"] = comp
         out["per_step"] = per
         out["keys"] = sum(1 for p in model.parameters() if p.requires_grad)
+    if spec.get("profile"):  # after the numbers above: its steps count in none of them
+        _profile(spec, rank, device, lambda: _train_step(opt, net, x, y, F))
+        out["profile"] = spec["profile_path"] if rank == 0 else None
+    if slim:
         opt.close()
     dist.barrier()
     dist.destroy_process_group()
