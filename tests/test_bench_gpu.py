@@ -121,7 +121,6 @@ def test_the_gpu_2bit_hook_without_the_device_codec_feeds_back_its_error():
 def test_a_rank_that_aborts_at_exit_after_its_result_keeps_it(tmp_path, monkeypatch):
     """The known abort at exit follows the measured steps: the row stays, noted; any other
     failure, or a missing result, is still an error."""
-    import argparse
     from slimgc_mx.bench import gpu
 
     def fake_popen(cmd, stdout, stderr, env, start_new_session):
@@ -146,8 +145,8 @@ def test_a_rank_that_aborts_at_exit_after_its_result_keeps_it(tmp_path, monkeypa
 
     monkeypatch.setattr(gpu.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(gpu, "_kill", lambda running: None)
-    args = argparse.Namespace(batch=2, steps=1, warmup=0, device="cpu", timeout=5,
-                              backend="auto")
+    args = gpu.parse_args(["--batch", "2", "--steps", "1", "--warmup", "0", "--device", "cpu",
+                           "--timeout", "5", "--out", str(tmp_path)], "gpu")
     MODE = ["ok", "abort"]
     kept = gpu.run_config("no-ddp", "tiny", 2, args, str(tmp_path))
     assert kept["status"] == "ok" and kept["exit_abort"] == [1] and len(kept["ranks"]) == 2
