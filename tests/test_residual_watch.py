@@ -235,17 +235,19 @@ def _first_hour():
     return module
 
 
-def test_a_job_that_diverges_is_told_and_one_that_trains_is_not(monkeypatch):
+@pytest.mark.parametrize("data_path", ["host", "device"])
+def test_a_job_that_diverges_is_told_and_one_that_trains_is_not(monkeypatch, data_path):
     """The first-hour job, every tensor randomk at ratio 0.1: with momentum 0.9 the loss rises
     and the user is warned once, naming the parameter and the fixes; with momentum 0 it
-    trains, and the watch is silent."""
+    trains, and the watch is silent. On the host path the engine samples the norms where it
+    encodes; on the device path (here on CPU tensors) they ride in the step's tail."""
     pytest.importorskip("torch")
     job = _first_hour().job
     monkeypatch.setattr(rw, "_told", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        before, after, growth = job("randomk", momentum=0.9, ratio=0.1)
-        quiet = job("randomk", momentum=0.0, ratio=0.1)
+        before, after, growth = job("randomk", momentum=0.9, ratio=0.1, data_path=data_path)
+        quiet = job("randomk", momentum=0.0, ratio=0.1, data_path=data_path)
     said = [str(w.message) for w in caught if issubclass(w.category, rw.ResidualGrowthWarning)]
     assert after > 2 * before, (before, after)
     assert growth is not None and said == [growth]

@@ -15,8 +15,10 @@ norm has grown more than GROWTH-fold since half as many pushes before, it holds 
 FLOOR gradients' worth, and either rho grew as much (the residual outgrows the gradient: a
 saturated quantizer) or the gradient's norm did (the weights run away, and the residual
 with them). A residual that rightly fills up (the first START pushes, a sparsifier's
-Codec.residual_fill) is no reference. Keys encoded on a device are not watched (their
-residual stays there). The aggregator warns once per process, on the training thread.
+Codec.residual_fill) is no reference. On the host path keys encoded on a device are not
+watched (their residual stays there); the torch device path samples its buckets' norms on
+the device into the step's tail and judges them with Series.record. The aggregator (or the
+device path) warns once per process, on the training thread.
 """
 import collections
 import math

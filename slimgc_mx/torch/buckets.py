@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from ..codecs import NonFiniteGradientError
+from ..engine import residual_watch
 from .device import _DTYPES, TorchDeviceCodec
 from .framework import _constructor_args
 from .routes import COMPRESSED, FULL, HOST
@@ -66,6 +67,10 @@ class Bucket:
         self.shadow = type(optimizer)(self.glo_views, **args)  # glo_buf's optimizer: the state
         self.local = type(optimizer)(self.params, **args)  # loc_buf's: the state copied in
         self.codec = TorchDeviceCodec(codec) if spec.compressed else None
+        # the residual watch's samples (DevicePath judges them) and the compressed pushes
+        self.watch = residual_watch.Series(codec.residual_fill(self.numel)) \
+            if self.codec is not None else None
+        self.pushes = 0
         self._q_lanes = self._fp_lanes = None  # each route's lanes (None: not needed)
         if self.codec is not None:
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -139,11 +144,13 @@ class Bucket:
         else:
             self._q_lanes = None
 
-    def encode(self, grads, num_workers, flag, rank=0, counts=None):
+    def encode(self, grads, num_workers, flag, rank=0, counts=None, watch=None):
         """This rank's gradient, with error feedback, into the lanes of its route (full
         precision: copied in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual)
         is not finite; a gathered codec's values go into slot `rank`. counts: the copy
-        accounting (copies.CopyCounts) the host route's copies go to."""
+        accounting (copies.CopyCounts) the host route's copies go to. watch: two float64
+        slots that get the squared norms of the gradient and of the residual the last push
+        left, before this encode (the residual watch's sample; compressed routes only)."""
         self.sent_route = self.route if self.codec is not None else FULL
         with torch.no_grad():
             if not self.sent_compressed:
@@ -166,6 +173,11 @@ class Bucket:
                 flag.copy_(~torch.isfinite(self.lanes).all())
                 return
             flat = torch.cat([g.reshape(-1) for g in grads])
+            if watch is not None:
+                norms = torch.stack([torch.linalg.vector_norm(flat),
+                                     torch.linalg.vector_norm(self.residual[:self.numel])])
+                watch.copy_(norms.double().square())
+            self.pushes += 1
             n = self.codec.codec.lane_count(self.numel, num_workers)  # 4bit's moves
             if self._q_lanes is None or self._q_lanes.numel() != n:
                 dtype = _DTYPES[self.codec.codec.wire_dtype]

@@ -18,7 +18,11 @@ Without backup, 1 runs after every bucket's 4 and the parameters get glo_buf.
 
 Every bucket's NaN/Inf flag (2**rank) and the step's settings hash (step_check.py) travel
 in one small tail summed after the buckets; it is read before the global update that it
-guards, the step's one host synchronisation, so a poisoned sum writes nothing.
+guards, the step's one host synchronisation, so a poisoned sum writes nothing. Every 10th
+compressed push of a bucket, the squared norms of its gradient and of the residual the last
+push left ride in the tail too, summed over the ranks: the residual watch
+(engine/residual_watch.py) judges them on every rank alike and warns once where the
+residual keeps growing (compression that wrecks training), as on the host path.
 
 With comm_threshold='auto' (the default) the CTTab chooses each bucket's route (routes.py):
 for config.warmup_steps steps every bucket that can be compressed cycles through the device
@@ -28,6 +32,7 @@ fastest, a compressed one only where it wins by cttab_margin, and every rank ado
 0's routes. A size in bytes,
 or 'off', fixes the routes at build time (no warm-up).
 """
+import math
 import time
 
 import numpy as np
@@ -36,6 +41,7 @@ import torch.distributed as dist
 
 from .. import codecs, notice
 from ..codecs.rng import key_seed
+from ..engine import residual_watch
 from ..engine.offload import NonFiniteAggregateError
 from ..engine.step_clip import EPS
 from .collective import Collectives, Rider
@@ -150,7 +156,10 @@ class DevicePath:
         if self.routes.warming and self.rank == 0:
             notice.tell(self.routes.opening())
         # the tail: each bucket's NaN/Inf flag, the overlap check, the settings rider
-        n_tail = len(self.buckets) + 1 + Rider([0], self.num_workers).slots(np.float64).size
+        # [flags per bucket][overlap][the settings rider][||grad||^2, ||residual||^2 per bucket]
+        self._rider_slots = Rider([0], self.num_workers).slots(np.float64).size
+        self._watch_at = len(self.buckets) + 1 + self._rider_slots
+        n_tail = self._watch_at + 2 * len(self.buckets)
         self.tail = torch.zeros(n_tail, dtype=torch.float64, device=device)
         self.tail_host = torch.zeros(n_tail, dtype=torch.float64,
                                      pin_memory=device.type == "cuda")
@@ -170,6 +179,10 @@ class DevicePath:
         self._names = [n for n, _ in named]
         self._step_open = False  # this step's deferred global updates are done (backup)
         self.error = None  # a NaN/Inf sum found: raised by every later call
+        self.residual_growth = None  # the residual watch's message, once found
+        self._sampling = []  # this step's buckets whose norms ride in the tail: (index, push)
+        self._watched = []  # the pending step's
+        self._watch_sums = None  # their summed squared norms, once the tail is read
         self.blocked_s = 0.0  # waiting for sums on the host
         self.bytes_pushed = 0
         self.bytes_fp32 = 0
@@ -268,6 +281,7 @@ class DevicePath:
                 self.finish_pending()
             if self.routes.due(self.step_count):
                 self._decide()
+            self.tail[self._watch_at:].zero_()  # read with the pending step's tail above
             self._step_open = True
         b = self.buckets[j]
         b.settings(self.optimizer.param_groups[b.spec.group])
@@ -277,7 +291,11 @@ class DevicePath:
         if timed:  # the warm-up: this step's route, timed from the encode to the decode
             b.route = self.routes.route(j, self.step_count)
             start = self._mark()
-        b.encode(grads, self.num_workers, self.tail[j], self.rank, self.counts)
+        watch = None
+        if b.watch is not None and b.compressed and residual_watch.due(b):
+            watch = self.tail[self._watch_at + 2 * j:self._watch_at + 2 * j + 2]
+            self._sampling.append((j, b.pushes))
+        b.encode(grads, self.num_workers, self.tail[j], self.rank, self.counts, watch=watch)
         b.work = self._sum(b.lanes)
         if timed:  # the sum waited for (CUDA: the stream waits), in the warm-up only
             if b.work is not None:
@@ -315,9 +333,9 @@ class DevicePath:
             self.tail[:n + 1].mul_(rank_bit)
             rider, self._rider = self._rider, None
             if rider is not None:  # through pinned memory: no pageable copy
-                staged = self.tail_host[n + 1:]
+                staged = self.tail_host[n + 1:self._watch_at]
                 staged.copy_(torch.from_numpy(rider.slots(np.float64)))
-                self.tail[n + 1:].copy_(staged, non_blocking=True)
+                self.tail[n + 1:self._watch_at].copy_(staged, non_blocking=True)
                 if self.tail.is_cuda:
                     self.counts.h2d_bytes += staged.numel() * staged.element_size()
         self._tail_work = self._sum(self.tail)
@@ -328,12 +346,15 @@ class DevicePath:
             rider.carried_by(_TailWork(self))
         self._pending = self.step_count
         self._pending_clip = clip[:2] if clip is not None else None
+        self._watched, self._sampling = self._sampling, []
         self.step_count += 1
         self.bytes_pushed += sum(b.lanes.numel() * b.lanes.element_size()
                                  for b in self.buckets)
         self.bytes_fp32 += self._fp32_bytes
         if not backup:
             self.finish_pending(write_back=True)
+        if self.residual_growth is not None:  # on the training thread, once per process
+            residual_watch.warn(self.residual_growth)
 
     def _tail_to_host(self):
         """NCCL: on a side stream, wait for the tail's sum and copy it into pinned memory;
@@ -375,9 +396,10 @@ class DevicePath:
         tail = self.tail_host.numpy()
         n = len(self.buckets)
         if self._tail_rider is not None:
-            self._tail_rider.sums = tail[n + 1:].copy()
+            self._tail_rider.sums = tail[n + 1:self._watch_at].copy()
             self._tail_rider = None
         self._flags = tail[:n + 1].copy()
+        self._watch_sums = tail[self._watch_at:].copy()
 
     def finish_pending(self, write_back=False):
         """The pending step's global updates: its tail read (NaN/Inf flags, settings), each
@@ -397,6 +419,7 @@ class DevicePath:
             self.error = self._nonfinite_message(step, self._flags, bad)
             self.raise_error()
         self._overlap_verdict(step, int(self._flags[n]))
+        self._judge_residuals()
         if self.check is not None and self.check.differs(step):
             for b in self.buckets:
                 b.step = None
@@ -414,6 +437,18 @@ class DevicePath:
             b.step = None
             if write_back:
                 b.write_back()
+
+    def _judge_residuals(self):
+        """The residual watch judges the pending step's samples: the squared norms of each
+        sampled bucket's gradient and residual, summed over the ranks (every rank alike)."""
+        watched, self._watched = self._watched, []
+        for j, push in watched:
+            g2, r2 = self._watch_sums[2 * j], self._watch_sums[2 * j + 1]
+            b = self.buckets[j]
+            found = b.watch.record(push, math.sqrt(g2), math.sqrt(r2))
+            if found is not None and self.residual_growth is None:
+                self.residual_growth = residual_watch.message(_bucket_name(b), b.codec.codec,
+                                                              found)
 
     def _decode(self, b):
         """Bucket b's sum decoded; in the warm-up, its route's sample completed."""
@@ -575,6 +610,7 @@ class DevicePath:
                 "steps": self.step_count, "bytes_pushed": self.bytes_pushed,
                 "bytes_pulled": self.bytes_pushed, "bytes_fp32": self.bytes_fp32,
                 "compress_s": 0.0, "comm_s": 0.0, "blocked_s": self.blocked_s,
+                "residual_growth": self.residual_growth,
                 "overlap": self.overlap,
                 "transfers": self.step_count * (len(self.buckets) + 1)}
 
