@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="bench gpu needs PyTorch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload", "slimgc-device-cttab"]
+CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload", "slimgc-device-cttab",
+           "slimgc-device-nooverlap"]
 
 
 def _bench(*args, timeout=240):
@@ -45,6 +46,7 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     for procs in (1, 2):  # the device path's CTTab decided in the run's warm-up
         stats = got[(procs, "slimgc-device-cttab")]["ranks"][0]["stats"]
         assert stats["cttab_phase"] == "decided" and stats["data_path"] == "device", stats
+        assert got[(procs, "slimgc-device-nooverlap")]["ranks"][0]["stats"]["overlap"] == "off"
     assert doc["machine"]["torch"] == torch.__version__
     assert {p["link"] for p in doc["projection"]} == {"10gbit", "100gbit"}
     table = (tmp_path / "table.md").read_text()

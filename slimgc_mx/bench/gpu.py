@@ -35,6 +35,8 @@ CONFIGS = OrderedDict([
     ("ddp-gpu-2bit", "DDP + a 2bit hook with error feedback on the GPU (residual per bucket)"),
     ("slimgc-device", "SlimGC 2bit, the device path (data_path='device'), backup"),
     ("slimgc-device-nobackup", "slimgc-device without model backup"),
+    ("slimgc-device-nooverlap", "slimgc-device with every bucket started in step() "
+     "(overlap=False), not during backward"),
     ("slimgc-device-cttab", "slimgc-device with the CTTab choosing each bucket's route "
      "(comm_threshold='auto'; its warm-up is the run's warm-up)"),
     ("slimgc-offload", "SlimGC 2bit, every tensor compressed on the CPU (offload), backup"),
@@ -509,6 +511,8 @@ def _setup(config, model, device, world, warmup):
         options.update(data_path="device", comm_threshold="auto", warmup_steps=max(2, warmup))
     elif config.startswith("slimgc-device"):
         options.update(data_path="device", comm_threshold=0)
+        if config.endswith("-nooverlap"):
+            options["overlap"] = False
     elif config.startswith("slimgc-placement"):
         options.update(offload="auto", comm_threshold="auto", warmup_steps=max(2, warmup))
     else:
@@ -651,7 +655,7 @@ def run_rank(spec):
                                               "compressed_transfers", "fused_keys",
                                               "fused_buckets", "cttab_reason", "data_path",
                                               "buckets", "compressed_buckets",
-                                              "compressed_keys", "cttab_phase")
+                                              "compressed_keys", "cttab_phase", "overlap")
                         if k in after}
         out["stats"]["cttab_rows"] = len(after.get("cttab") or [])
         out["step_copies"] = last_copies  # the last timed step's (stats()' step_copies)

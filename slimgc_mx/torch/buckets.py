@@ -172,7 +172,9 @@ class Bucket:
                         self.residual.zero_()
                 flag.copy_(~torch.isfinite(self.lanes).all())
                 return
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            # a bucket of one tensor encodes its gradient in place of a copy (read only)
+            flat = grads[0].reshape(-1) if len(grads) == 1 else \
+                torch.cat([g.reshape(-1) for g in grads])
             if watch is not None:
                 norms = torch.stack([torch.linalg.vector_norm(flat),
                                      torch.linalg.vector_norm(self.residual[:self.numel])])

@@ -34,6 +34,10 @@ from ..codecs.lanes import EXACT_LIMIT, ConstCache, LaneCodec
 from ..codecs.layout import CHUNK_LANES
 
 _DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+#: Elements per piece where encode and decode run a large tensor piece by piece: their
+#: int64 temporaries (about 28 bytes per element) stay near 0.2 GB whatever the tensor's
+#: size, which matters where a bucket's pass runs beside backward's activations.
+PIECE_ELEMENTS = 1 << 23
 
 
 def _flat(x, name, dtype, size=None, written=False):
@@ -395,6 +399,9 @@ class TorchDeviceCodec:
             if codec.trailer_lanes or t:  # every statistic of no element is 0
                 dst.fill_(0.0)
             return out
+        pieces = _pieces(codec, size, n_workers, n_lanes, k) if flag is not None else None
+        if pieces is not None:
+            return self._encode_pieces(g, r, out, dst, flag, pieces, radix, k)
         c = g + r
         bad = ~torch.isfinite(c).all()
         self.encode_syncs = 0
@@ -438,6 +445,27 @@ class TorchDeviceCodec:
             sent = codec.device_untransform(sent, size, ops)
         torch.sub(c, sent, out=r)
         dst.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return out
+
+    def _encode_pieces(self, g, r, out, dst, flag, pieces, radix, k):
+        """encode() of a codec that encodes element by element (2bit) with a flag (the
+        device path: it encodes anyway), piece by piece: the same lanes and residual, bit
+        for bit, with one piece's temporaries live at a time."""
+        codec, device = self.codec, g.device
+        ops = TorchOps(self._consts, device, None, k)
+        powers, own = self._powers(device, radix, k), self._own(device)
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        for (lane_lo, lane_hi), (lo, hi) in pieces:
+            c = g[lo:hi] + r[lo:hi]
+            bad |= ~torch.isfinite(c).all()
+            q = codec.device_levels(c, ops)
+            pad = (lane_hi - lane_lo) * k - q.numel()
+            digits = torch.cat([q, q.new_zeros(pad)]) if pad else q
+            dst[lane_lo:lane_hi].copy_((digits.view(-1, k) * powers).sum(dim=1)
+                                       .to(torch.float64))
+            torch.sub(c, own[q], out=r[lo:hi])
+        flag.copy_(bad)
+        self.encode_syncs = 0
         return out
 
     def _encode_values(self, g, r, out, dst, flag):
@@ -511,19 +539,31 @@ class TorchDeviceCodec:
                 raise ValueError("%d lanes lie outside [0, 2**53): not a sum of this codec's "
                                  "lanes (wrong codec, worker count or corrupted data)"
                                  % int(bad.sum()))
-            xi = x.to(torch.int64).unsqueeze(1)
-            d = (torch.div(xi, self._powers(device, radix, k), rounding_mode="floor")
-                 % radix).reshape(-1)
-            if codec.gathered:
+            powers = self._powers(device, radix, k)
+            if not codec.gathered:  # the affine codecs, piece by piece: one piece's temporaries
+                scale, a, b = codec._affine()
+                step = max(1, PIECE_ELEMENTS // k)
+                for lo in range(0, n_lanes, step):
+                    hi = min(lo + step, n_lanes)
+                    d = _digits(x[lo:hi], powers, radix)
+                    m = min(hi * k, size) - lo * k
+                    # float32(double(scale) * (a*D + N*b)), the integer part exact
+                    # (affine_values).
+                    dst[lo * k:lo * k + m].copy_(
+                        ((d[:m] * a + n_workers * b).to(torch.float64) * float(scale))
+                        .to(torch.float32))
+            else:
                 ops.state = self._device_state(size, device)
-                d = d[:codec.levelled_count(size)]
+                d = _digits(x, powers, radix)[:codec.levelled_count(size)]
                 values = codec.device_untransform(codec.device_values(d, n_workers, ops),
                                                   size, ops)
-            else:
-                scale, a, b = codec._affine()
-                # float32(double(scale) * (a*D + N*b)), the integer part exact (affine_values).
-                values = ((d[:size] * a + n_workers * b).to(torch.float64) * float(scale))
-            dst.copy_(values.to(torch.float32))
+                dst.copy_(values.to(torch.float32))
+        return self._agree_after_decode(gathered, checked, stat, ops, out)
+
+    def _agree_after_decode(self, gathered, checked, stat, ops, out):
+        """The codec's shared state after a decode: a gathered codec's from its summed slots
+        (kept on the device unless checked), the trailer's statistic otherwise."""
+        codec = self.codec
         if gathered is not None and not checked:
             self._state, self._stale = codec.device_agree(gathered, ops), True
             codec._agreed(None)  # the push counted; the state is self._state
@@ -572,3 +612,21 @@ def benchmark(codec_name, numel, device="cpu", num_workers=2, repeats=20, warmup
     decode = timed(lambda: codec.decode(total, int(numel), num_workers, out=agg, device=dev),
                    setup=lambda: codec.codec.load_state_dict(state))
     return {"encode": encode, "decode": decode}
+
+
+def _digits(lanes, powers, radix):
+    """Each lane's k base-`radix` digits, lowest first, flat (int64)."""
+    xi = lanes.to(torch.int64).unsqueeze(1)
+    return (torch.div(xi, powers, rounding_mode="floor") % radix).reshape(-1)
+
+
+def _pieces(codec, size, num_workers, n_lanes, k):
+    """((lane_lo, lane_hi), (lo, hi)) pieces of about PIECE_ELEMENTS elements for a codec
+    that encodes element by element (Codec.piece_elements), or None: one piece would do, or
+    the codec's values depend on more than each element's own."""
+    if size <= PIECE_ELEMENTS:
+        return None
+    step = max(1, PIECE_ELEMENTS // k)
+    bounds = [(lo, min(lo + step, n_lanes)) for lo in range(0, n_lanes, step)]
+    elements = codec.piece_elements(size, num_workers, bounds)
+    return None if elements is None else list(zip(bounds, elements))
