@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="bench gpu needs PyTorch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload", "slimgc-device-cttab",
-           "slimgc-device-nooverlap"]
+CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "ddp-gpu-1bit", "slimgc-offload",
+           "slimgc-device-cttab", "slimgc-device-nooverlap"]
 
 
 def _bench(*args, timeout=240):
@@ -51,6 +51,12 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     assert {p["link"] for p in doc["projection"]} == {"10gbit", "100gbit"}
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | 2 | slimgc-offload |" in table and "Projection" in table
+    fig12 = table.split("## Fig. 12: throughput over the GPU 1bit hook's")[1].split("##")[0]
+    for procs in (1, 2):  # every config over the 1bit hook's samples/s, itself 1.00
+        base = got[(procs, "ddp-gpu-1bit")]["samples_per_s"]
+        ddp = got[(procs, "ddp")]["samples_per_s"]
+        assert "| tiny | %d | ddp-gpu-1bit | %.1f | 1.00 |" % (procs, base) in fig12
+        assert "| tiny | %d | ddp | %.1f | %.2f |" % (procs, ddp, ddp / base) in fig12
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "fig14.png").stat().st_size > 1000
     else:  # a machine without it (the GPU machine may be one) is told, the rest is written

@@ -32,7 +32,11 @@ CONFIGS = OrderedDict([
     ("ddp", "DistributedDataParallel, float32 allreduce"),
     ("ddp-fp16", "DDP + fp16_compress_hook"),
     ("ddp-powersgd", "DDP + PowerSGD hook, rank 4, one bucket"),
+    ("ddp-powersgd-buckets", "ddp-powersgd with DDP's default buckets (over Gloo with "
+     "several buckets the hook can deadlock: --timeout then ends it)"),
     ("ddp-gpu-2bit", "DDP + a 2bit hook with error feedback on the GPU (residual per bucket)"),
+    ("ddp-gpu-1bit", "DDP + a 1bit hook with error feedback on the GPU: the paper's Fig. 12 "
+     "baseline, which the table's throughput is normalised against"),
     ("slimgc-device", "SlimGC 2bit, the device path (data_path='device'), backup"),
     ("slimgc-device-nobackup", "slimgc-device without model backup"),
     ("slimgc-device-nooverlap", "slimgc-device with every bucket started in step() "
@@ -401,13 +405,15 @@ def build_model(name):
 
 
 class TwoBitHookState:
-    """State of the GPU 2bit hook: per bucket its error-feedback residual on the bucket's
-    device (and, with the project's TorchDeviceCodec, the codec and its lanes)."""
+    """State of the GPU lane-codec hook (2bit, or 1bit: `codec`): per bucket its
+    error-feedback residual on the bucket's device (and, with the project's
+    TorchDeviceCodec, the codec and its lanes)."""
 
-    def __init__(self, group, world, threshold=0.5):
+    def __init__(self, group, world, threshold=0.5, codec="2bit"):
         self.group = group
         self.world = world
         self.threshold = threshold
+        self.codec = codec
         self.buckets = {}
         self.kind = None
         try:
@@ -425,7 +431,9 @@ class TwoBitHookState:
         if e is None or e["residual"].numel() != buf.numel():
             e = {"residual": torch.zeros_like(buf)}
             if self._device_codec is not None:
-                e["codec"] = self._device_codec(codecs.create("2bit", threshold=self.threshold))
+                made = codecs.create(self.codec, threshold=self.threshold) \
+                    if self.codec == "2bit" else codecs.create(self.codec)
+                e["codec"] = self._device_codec(made)
                 n = e["codec"].codec.lane_count(buf.numel(), self.world)
                 e["lanes"] = torch.empty(n, dtype=torch.float64, device=buf.device)
             self.buckets[self._key(buf)] = e
@@ -437,10 +445,13 @@ class TwoBitHookState:
 
 
 def gpu_2bit_hook(state, bucket):
-    """DDP comm hook: 2bit with error feedback on the bucket's device; the mean gradient."""
+    """DDP comm hook: state.codec (2bit, 1bit) with error feedback on the bucket's device;
+    the mean gradient."""
     import torch.distributed as dist
     buf = bucket.buffer()
     e = state.entry(buf)
+    if "codec" not in e and state.codec != "2bit":
+        raise RuntimeError("the GPU %s hook needs the project's TorchDeviceCodec" % state.codec)
     if "codec" in e:
         codec = e["codec"]
         codec.encode(buf, e["residual"], state.world, out=e["lanes"])
@@ -488,20 +499,20 @@ def _setup(config, model, device, world, warmup):
         return model, sgd, {}
     if config.startswith("ddp"):
         params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
-        cap = int(params_mb) + 2 if config == "ddp-powersgd" else None
+        cap = int(params_mb) + 2 if config == "ddp-powersgd" else None  # one bucket
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=cap)
         info = {}
         if config == "ddp-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif config == "ddp-powersgd":
+        elif config.startswith("ddp-powersgd"):
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
             state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                      start_powerSGD_iter=2)
             ddp.register_comm_hook(state, _counting(ps.powerSGD_hook, info))
             info["bucket_cap_mb"] = cap
-        elif config == "ddp-gpu-2bit":
-            state = TwoBitHookState(dist.group.WORLD, world)
+        elif config in ("ddp-gpu-2bit", "ddp-gpu-1bit"):
+            state = TwoBitHookState(dist.group.WORLD, world, codec=config[-4:])
             ddp.register_comm_hook(state, _counting(gpu_2bit_hook, info))
             info["hook"] = state.kind
         return ddp, sgd, info
@@ -831,6 +842,25 @@ def _notes(record):
     return ", ".join(notes)
 
 
+def _normalised(results):
+    """Fig. 12's view: each config's samples/s over the GPU 1bit hook's at the same model
+    and P (the paper's baseline), where that hook ran."""
+    base = {(r["model"], r["procs"]): r["samples_per_s"] for r in results
+            if r["config"] == "ddp-gpu-1bit" and r["status"] == "ok"}
+    rows = [r for r in results if (r["model"], r["procs"]) in base and r["status"] == "ok"]
+    if not rows:
+        return []
+    lines = ["", "## Fig. 12: throughput over the GPU 1bit hook's", "",
+             "samples/s of each config over ddp-gpu-1bit's at the same model and P (the "
+             "paper normalises Fig. 12 against GPU 1bit compression).", "",
+             "| model | P | config | samples/s | x ddp-gpu-1bit |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append("| %s | %d | %s | %.1f | %.2f |" % (
+            r["model"], r["procs"], r["config"], r["samples_per_s"],
+            r["samples_per_s"] / base[(r["model"], r["procs"])]))
+    return lines
+
+
 def format_table(doc):
     """The Markdown of results.json: machine, Fig. 14, Fig. 12/13, projection, targets."""
     m = doc["machine"]
@@ -851,6 +881,7 @@ def format_table(doc):
             r["model"], r["procs"], r["config"], _f(r.get("ms_step")),
             _f(r.get("ms_fwd_bwd")), _f(r.get("ms_opt_step")), _f(r.get("samples_per_s")),
             _f(r.get("peak_gib"), "%.2f"), _notes(r), status))
+    lines += _normalised(doc["results"])
     comp = [r for r in doc["results"] if r.get("composition")]
     if comp:
         lines += ["", "## Fig. 12/13: step composition (ms per step)", "",
