@@ -4,6 +4,9 @@ is not. From series of norms, through the engine on the NumPy backend, and in a 
 import importlib.util
 import math
 import os
+import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -255,3 +258,23 @@ def test_a_job_that_diverges_is_told_and_one_that_trains_is_not(monkeypatch, dat
                              "error-feedback residual of 1.")  # the BatchNorm's parameters
     assert "comm_threshold='auto'" in growth and "ratio=0.1" in growth
     assert quiet[1] < 0.5 * quiet[0] and quiet[2] is None, quiet
+
+
+def test_two_ranks_on_the_device_path_find_the_same_growth_at_the_same_push():
+    """Under torchrun the device path sums the sampled norms over the ranks in the step's
+    tail: both ranks warn, with the same numbers (their own residuals would differ)."""
+    pytest.importorskip("torch")
+    import torch_launch
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(torch_launch.free_port()),
+           os.path.join(HERE, "torch_jobs", "first_hour.py"), "--codec", "randomk",
+           "--momentum", "0.9", "--option", "ratio=0.1", "--option", 'data_path="device"']
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIMGC_")}
+    env.update(PYTHONPATH=torch_launch.ROOT, OMP_NUM_THREADS="1", SLIMGC_TIMEOUT="60")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-3000:]
+    assert text.count("residual watch: WARNED") == 2, text[-3000:]
+    said = re.findall(r"ResidualGrowthWarning: (codec 'randomk' is likely wrecking training"
+                      r"[^\n]*)", text)
+    assert len(said) == 2 and said[0] == said[1], said
