@@ -117,7 +117,7 @@ def test_the_gpu_2bit_hook_without_the_device_codec_feeds_back_its_error():
     """The plain torch-ops hook (used when the device codec is missing): levels at the
     threshold, the rest kept in the residual, so grad = sent + new residual."""
     from slimgc_mx.bench import gpu
-    state = gpu.TwoBitHookState(group=None, world=1, threshold=0.5)
+    state = gpu.LaneHookState(group=None, world=1, threshold=0.5)
     buf = torch.tensor([0.7, -0.2, -0.9, 0.3])
     e = {"residual": torch.tensor([0.0, -0.4, 0.0, 0.1])}
     sent = buf + e["residual"]

@@ -167,8 +167,8 @@ def test_the_warm_up_alternates_keeps_the_fastest_and_decides():
     r = routes.BucketRoutes([True, False, True], [4000, 16, 400], ["a", "b", "c"],
                             warmup_steps=4, margin=0.5)
     assert r.warming and r.route_names() == ["warm-up", "full precision", "warm-up"]
-    assert [r.compressed(0, step) for step in range(4)] == [True, False, True, False]
-    assert not any(r.compressed(1, step) for step in range(4))
+    assert [r.route(0, step) for step in range(4)] == [C, F, C, F]
+    assert [r.route(1, step) for step in range(4)] == [F] * 4
     assert [r.due(step) for step in (3, 4)] == [False, True]
     for step, (q, fp) in enumerate([(5.0, 9.0), (1.0, 9.0)]):  # bucket 0: q 1 (its fastest)
         r.record(0, C, q, 2 * step)
@@ -182,7 +182,7 @@ def test_the_warm_up_alternates_keeps_the_fastest_and_decides():
     r.adopt(r.own_routes())
     assert r.phase == "decided" and not r.due(10)
     assert r.route_names() == ["compressed", "full precision", "full precision"]
-    assert [r.compressed(j, 11) for j in range(3)] == [True, False, False]
+    assert [r.route(j, 11) for j in range(3)] == [C, F, F]
     r.record(0, C, 0.001, 5)  # after the decision: ignored
     assert r.samples[0]["q"] == 1.0
     line = r.summary()
@@ -230,7 +230,7 @@ def test_a_bucket_with_a_host_codec_cycles_three_routes():
     r.adopt(r.own_routes())
     assert r.routes == [H, C, F]
     assert r.route_names() == ["compressed on the host", "compressed", "full precision"]
-    assert [r.compressed(j, 7) for j in range(3)] == [True, True, False]
+    assert [r.route(j, 7) for j in range(3)] == [H, C, F]
     line = r.summary()
     assert "2 of 3 buckets compressed (1 on the host)" in line
     assert "on the host (device 2000.000 ms)" in line

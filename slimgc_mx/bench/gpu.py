@@ -11,18 +11,20 @@ projected onto 10 and 100 Gbit/s links with the pieces of the cost model (scale.
 torch is imported lazily: `python -m slimgc_mx.bench` keeps working without it.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import OrderedDict
+
+from ..launch.plan import free_port
 
 DESCRIPTION = "PyTorch on a GPU: peak memory, samples/s, step composition (DDP vs SlimGC)"
 
@@ -190,12 +192,6 @@ def placement_support():
     return None
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path, limit=1500):
     try:
         with open(path, errors="replace") as f:
@@ -228,7 +224,7 @@ def run_config(config, model, procs, args, work):
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    port = _free_port()
+    port = free_port()
     # the ranks import the same slimgc_mx as this process
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
@@ -404,7 +400,7 @@ def build_model(name):
     return getattr(tvm, name)(weights=None)
 
 
-class TwoBitHookState:
+class LaneHookState:
     """State of the GPU lane-codec hook (2bit, or 1bit: `codec`): per bucket its
     error-feedback residual on the bucket's device (and, with the project's
     TorchDeviceCodec, the codec and its lanes)."""
@@ -444,7 +440,7 @@ class TwoBitHookState:
         return (buf.device, buf.numel())
 
 
-def gpu_2bit_hook(state, bucket):
+def gpu_lane_hook(state, bucket):
     """DDP comm hook: state.codec (2bit, 1bit) with error feedback on the bucket's device;
     the mean gradient."""
     import torch.distributed as dist
@@ -512,8 +508,8 @@ def _setup(config, model, device, world, warmup):
             ddp.register_comm_hook(state, _counting(ps.powerSGD_hook, info))
             info["bucket_cap_mb"] = cap
         elif config in ("ddp-gpu-2bit", "ddp-gpu-1bit"):
-            state = TwoBitHookState(dist.group.WORLD, world, codec=config[-4:])
-            ddp.register_comm_hook(state, _counting(gpu_2bit_hook, info))
+            state = LaneHookState(dist.group.WORLD, world, codec=config[len("ddp-gpu-"):])
+            ddp.register_comm_hook(state, _counting(gpu_lane_hook, info))
             info["hook"] = state.kind
         return ddp, sgd, info
     import slimgc_mx.torch as slimgc
@@ -556,15 +552,12 @@ def _profile(spec, rank, device, step):
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) if rank == 0 else contextlib.nullcontext() as prof:
+        for _ in range(spec["profile"]):
+            step()
+        _sync(device)
     if rank != 0:
-        for _ in range(spec["profile"]):
-            step()
-        _sync(device)
         return
-    with profile(activities=activities) as prof:
-        for _ in range(spec["profile"]):
-            step()
-        _sync(device)
     table = prof.key_averages()
     parts = ["%s, %s, %d steps profiled on rank 0 (times are totals over them)\n"
              % (spec["model"], spec["config"], spec["profile"])]

@@ -12,12 +12,13 @@ round's ranks are fresh processes; the job is `small_keys_rank.py`, run by path,
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from ..launch.plan import free_port
 
 DESCRIPTION = "many tiny parameters: SlimGC's step over DDP's in the same ranks (CPU, 2 ranks)"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,12 +56,6 @@ def parse_args(argv, prog):
     return args
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_once(root, args, folder):
     """One run of the job with `root`'s slimgc_mx: rank 0's result, or raise RuntimeError
     with the ranks' output."""
@@ -68,7 +63,7 @@ def run_once(root, args, folder):
     with open(spec, "w") as f:
         json.dump({"params": args.params, "steps": args.steps,
                    "options": args.options_dict}, f)
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(2):
         env = dict(os.environ)

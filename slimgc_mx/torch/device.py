@@ -425,12 +425,7 @@ class TorchDeviceCodec:
             flag.copy_(bad)
         q = codec.device_levels(x, ops)
         parts = []
-        pad = n_lanes * k - q.numel()
-        # Digits past the end are 0, as the kernels pack only the real elements; the
-        # int64 products and sums are the lanes' exact integers (below 2**53).
-        digits = torch.cat([q, q.new_zeros(pad)]) if pad else q
-        parts.append((digits.view(n_lanes, k) * self._powers(device, radix, k))
-                     .sum(dim=1).to(torch.float64))
+        parts.append(_pack(q, n_lanes, k, self._powers(device, radix, k)))
         if codec.trailer_lanes:
             src = codec.device_statistic(g, c)
             parts.append((src.abs().to(torch.float64).sum() / size).reshape(1))
@@ -459,10 +454,7 @@ class TorchDeviceCodec:
             c = g[lo:hi] + r[lo:hi]
             bad |= ~torch.isfinite(c).all()
             q = codec.device_levels(c, ops)
-            pad = (lane_hi - lane_lo) * k - q.numel()
-            digits = torch.cat([q, q.new_zeros(pad)]) if pad else q
-            dst[lane_lo:lane_hi].copy_((digits.view(-1, k) * powers).sum(dim=1)
-                                       .to(torch.float64))
+            dst[lane_lo:lane_hi].copy_(_pack(q, lane_hi - lane_lo, k, powers))
             torch.sub(c, own[q], out=r[lo:hi])
         flag.copy_(bad)
         self.encode_syncs = 0
@@ -612,6 +604,15 @@ def benchmark(codec_name, numel, device="cpu", num_workers=2, repeats=20, warmup
     decode = timed(lambda: codec.decode(total, int(numel), num_workers, out=agg, device=dev),
                    setup=lambda: codec.codec.load_state_dict(state))
     return {"encode": encode, "decode": decode}
+
+
+def _pack(levels, n_lanes, k, powers):
+    """`n_lanes` float64 lanes of k base-radix digits each (`powers`: radix**j), lowest
+    first. Digits past the end are 0, as the kernels pack only the real elements; the int64
+    products and sums are the lanes' exact integers (below 2**53)."""
+    pad = n_lanes * k - levels.numel()
+    digits = torch.cat([levels, levels.new_zeros(pad)]) if pad else levels
+    return (digits.view(n_lanes, k) * powers).sum(dim=1).to(torch.float64)
 
 
 def _digits(lanes, powers, radix):

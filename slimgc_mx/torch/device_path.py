@@ -157,8 +157,8 @@ class DevicePath:
             notice.tell(self.routes.opening())
         # the tail: each bucket's NaN/Inf flag, the overlap check, the settings rider
         # [flags per bucket][overlap][the settings rider][||grad||^2, ||residual||^2 per bucket]
-        self._rider_slots = Rider([0], self.num_workers).slots(np.float64).size
-        self._watch_at = len(self.buckets) + 1 + self._rider_slots
+        rider_slots = Rider([0], self.num_workers).slots(np.float64).size
+        self._watch_at = len(self.buckets) + 1 + rider_slots  # where the watch's slots start
         n_tail = self._watch_at + 2 * len(self.buckets)
         self.tail = torch.zeros(n_tail, dtype=torch.float64, device=device)
         self.tail_host = torch.zeros(n_tail, dtype=torch.float64,

@@ -37,11 +37,12 @@ def tensor_of(buf, shape=None):
     """The torch tensor over a HostArray's memory (no copy), in `shape` (default its own).
     A HostBuffer's is made once (its memory never moves): a step of 500 tiny parameters
     asks 1000 times."""
-    flat = buf.__dict__.get("_flat") if type(buf) is HostBuffer else None
-    if flat is None:
+    if type(buf) is HostBuffer:
+        flat = buf.__dict__.get("_flat")
+        if flat is None:
+            flat = buf._flat = torch.from_numpy(buf.for_read())
+    else:
         flat = torch.from_numpy(buf.for_read())
-        if type(buf) is HostBuffer:
-            buf._flat = flat
     shape = shape if shape is not None else buf.shape
     return flat if shape == (-1,) or tuple(shape) == tuple(flat.shape) else flat.view(shape)
 

@@ -119,10 +119,6 @@ class BucketRoutes:
             return cycle[(step - self.start) % len(cycle)]
         return self.routes[j]
 
-    def compressed(self, j, step):
-        """Whether bucket j's route at `step` sends the codec's lanes (device or host)."""
-        return self.route(j, step) != FULL
-
     def record(self, j, route, seconds, step):
         """One warm-up sample: bucket j's `route` took `seconds` at `step`; the fastest of
         each route is kept."""
