@@ -218,7 +218,7 @@ print((kib("VmHWM") - base) * 1024 / n)
 def test_piece_by_piece_bounds_the_temporaries(what):
     """The point of the pieces: a 2bit bucket's encode and decode of 8 Mi elements on the
     CPU raise the process's peak memory by a few bytes per element in pieces of 512 Ki,
-    against the 24-35 (the int64 levels and digits of the whole tensor) in one piece.
+    against the 24-28 (the int64 levels and digits of the whole tensor) in one piece.
     Large allocations are mapped and unmapped one by one (MALLOC_MMAP_THRESHOLD_), so the
     peak counts what is live at once, not what the allocator keeps."""
     n = 8 * 2 ** 20
