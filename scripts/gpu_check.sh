@@ -80,7 +80,7 @@ if [ -n "$BASE" ] && want baseline; then
 fi
 
 bench p2 130 --model vgg16 --procs 2 --steps 10 --warmup 5 \
-    --configs ddp,ddp-powersgd,ddp-gpu-1bit,ddp-gpu-2bit,slimgc-device,slimgc-device-cttab,slimgc-offload
+    --configs ddp,ddp-powersgd,ddp-gpu-1bit,ddp-gpu-2bit,slimgc-device,slimgc-device-cttab,slimgc-device-powersgd,slimgc-offload
 bench resnet50 140 --model resnet50 --procs 1 --steps 20 --warmup 8 \
     --configs no-ddp,ddp,ddp-powersgd,ddp-gpu-1bit,ddp-gpu-2bit,slimgc-device,slimgc-device-nooverlap,slimgc-device-cttab,slimgc-offload
 log "done"

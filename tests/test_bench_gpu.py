@@ -27,7 +27,8 @@ def _bench(*args, timeout=240):
 
 
 #: The configs also run at two ranks (the others' two-rank runs add time, not coverage).
-TWO_RANKS = ["ddp", "ddp-gpu-1bit", "slimgc-offload", "slimgc-device-cttab"]
+TWO_RANKS = ["ddp", "ddp-gpu-1bit", "slimgc-offload", "slimgc-device-cttab",
+             "slimgc-device-powersgd"]
 
 
 @pytest.mark.slow
@@ -56,6 +57,8 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
         stats = got[(procs, "slimgc-device-cttab")]["ranks"][0]["stats"]
         assert stats["cttab_phase"] == "decided" and stats["data_path"] == "device", stats
     assert got[(1, "slimgc-device-nooverlap")]["ranks"][0]["stats"]["overlap"] == "off"
+    low = got[(2, "slimgc-device-powersgd")]["ranks"][0]["stats"]
+    assert low["compressor"] == "powersgd" and low["compressed_buckets"] > 0, low
     assert doc["machine"]["torch"] == torch.__version__
     assert {p["link"] for p in doc["projection"]} == {"10gbit", "100gbit"}
     tables = [(out / "table.md").read_text() for out, _ in outs]
@@ -73,6 +76,23 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
             assert "fig14.png not drawn" in r.stderr and "pip install matplotlib" in r.stderr
         # a progress line per config as it finishes
         assert sum(line.startswith("tiny ") for line in r.stdout.splitlines()) == len(configs)
+
+
+def test_the_targets_compare_slimgcs_powersgd_with_the_hook_at_two_ranks():
+    from slimgc_mx.bench import gpu
+
+    def rec(procs, config, ms):
+        return {"model": "vgg16", "procs": procs, "config": config, "status": "ok",
+                "ms_step": ms, "peak_gib": None}
+    target = "slimgc-device-powersgd step <= ddp-powersgd"
+    for low, hook, met in ((70.0, 77.0, True), (80.0, 77.0, False)):
+        found = [c for c in gpu.checks([rec(2, "ddp-powersgd", hook),
+                                        rec(2, "slimgc-device-powersgd", low),
+                                        rec(1, "ddp-powersgd", 1.0),
+                                        rec(1, "slimgc-device-powersgd", 2.0)])
+                 if c["target"] == target]
+        assert [(c["procs"], c["met"]) for c in found] == [(2, met)]  # one rank: no wire
+        assert found[0]["value"] == "%.1f vs %.1f ms (%.2fx)" % (low, hook, low / hook)
 
 
 @pytest.mark.slow

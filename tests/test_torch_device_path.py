@@ -9,7 +9,7 @@ from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
 from slimgc_mx.torch import buckets, device_path, routes  # noqa: E402
 from torch_launch import Batch, results  # noqa: E402
 
-MODES = ("match", "nan", "settings", "resume", "changed", "overlap", "cttab")
+MODES = ("match", "powersgd", "nan", "settings", "resume", "changed", "overlap", "cttab")
 SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
 #: torch_jobs/device_path.py's CODECS: each codec it serves, and two with options (thc's
 #: rotation; qsgd's buckets below 8 elements and levels not a power of two).
@@ -55,6 +55,30 @@ def test_every_codec_it_serves_gives_the_host_paths_global_weights(tmp_path):
 
 
 @pytest.mark.slow
+def test_powersgd_on_the_device_gives_the_host_paths_weights_given_its_products(tmp_path):
+    """powersgd's two rounds on the device path: with the matrix products made by NumPy as
+    the host codec makes them, Adam's global weights are the host path's bit for bit (SGD's
+    within the Cython kernel's rounding), backup on and off; with torch's own products
+    (another BLAS) within float32 rounding of them. One matrix bucket, two sums a step."""
+    ranks = job(tmp_path, "powersgd")
+    assert ranks[0] == ranks[1]  # every rank the same global weights
+    r = ranks[0]
+    assert sorted(r) == sorted("%s-%s-%s" % (p, b, o) for p in ("torch", "numpy")
+                               for b in ("backup", "nobackup") for o in ("sgd", "adam"))
+    for case, got in r.items():
+        assert got["data_path"] == "device" and got["compressed_buckets"] == 1, case
+        # P and Q of the 300x8 matrix (rank 4), the other bucket, the tail: 4 sums a step
+        assert got["transfers"] == 4 * got["steps"], case
+        assert got["bytes_pushed"] < got["bytes_fp32"], case
+        if case.startswith("numpy") and case.endswith("adam"):
+            assert got["device"] == got["host"], case
+        elif case.startswith("numpy"):
+            assert got["max_diff"] <= 2e-7, case  # the SGD kernel's rounding, no more
+        else:
+            assert got["max_diff"] <= 1e-5 * got["largest"], case
+
+
+@pytest.mark.slow
 def test_a_nan_gradient_on_one_rank_stops_every_rank_naming_it(tmp_path):
     for r in job(tmp_path, "nan"):
         assert "NonFiniteAggregateError" in r["error"], r["error"]
@@ -92,14 +116,16 @@ def test_a_setting_changed_on_one_rank_stops_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_run_continues_bit_for_bit(tmp_path):
-    """2bit, and terngrad, whose scale the device keeps: the checkpoint reads it back."""
+    """2bit, and terngrad, whose scale the device keeps, and powersgd, whose Q it keeps:
+    the checkpoint reads them back."""
     for r in job(tmp_path, "resume"):
-        for compression in ("2bit", "terngrad"):
+        for compression in ("2bit", "terngrad", "powersgd"):
             got = r[compression]
             assert got["params"][0] == got["params"][1], compression
             assert got["flushed"][0] == got["flushed"][1], compression
         scales = r["terngrad"]["scales"]
         assert len(scales) == 5 and all(s > 0 for s in scales), scales
+        assert r["powersgd"]["q_columns"] == [4], r["powersgd"]  # the 300x8 matrix's Q
 
 
 @pytest.mark.slow
@@ -411,6 +437,16 @@ def test_buckets_run_in_backward_order_by_group_kind_and_cap():
                                      1024, 10 ** 9)
         assert [(s.indices, s.compressed) for s in specs] == [
             ((4,), True), ((3, 2), False), ((1,), True), ((0,), False)], name
+    # powersgd: a matrix whose rank-4 factors are smaller per bucket, its vectors (and a
+    # matrix too thin to gain) fused in full precision, as the host path routes them
+    shaped = [("w0", torch.nn.Parameter(torch.zeros(64, 32))),
+              ("b0", torch.nn.Parameter(torch.zeros(64))),
+              ("w1", torch.nn.Parameter(torch.zeros(3, 64))),
+              ("w2", torch.nn.Parameter(torch.zeros(16, 4, 3, 3)))]
+    specs = buckets.plan_buckets(shaped, {i: 0 for i in range(4)}, codecs.create("powersgd"),
+                                 0, 10 ** 9)
+    assert [(s.indices, s.compressed) for s in specs] == [
+        ((3,), True), ((2, 1), False), ((0,), True)]
     # full precision: every bucket full precision, one per group
     specs = buckets.plan_buckets(named, groups, None, 0, 10 ** 9)
     assert [(s.indices, s.compressed) for s in specs] == [((4,), False), ((3, 2, 1, 0), False)]
@@ -427,7 +463,9 @@ def test_the_choice_of_path_is_made_in_one_place_and_refuses_with_the_fix():
                           ("thc", {"hadamard": True}), ("randomk", {"ratio": 0.1})):
         served = SlimGCConfig(compressor=name, codec_options=options)
         assert device_path.choose("auto", served, sgd, cuda=True) == "device", name
-    for bad, words in ((SlimGCConfig(compressor="powersgd"), "powersgd"),
+    served = SlimGCConfig(compressor="powersgd", codec_options={"rank": 2})
+    assert device_path.choose("auto", served, sgd, cuda=True) == "device"
+    for bad, words in ((SlimGCConfig(compressor="topk"), "topk"),
                        (SlimGCConfig(compressor="2bit", loc_lr=0.1), "loc_lr"),
                        (SlimGCConfig(compressor="2bit", audit_every=5), "audit_every")):
         assert device_path.choose("auto", bad, sgd, cuda=True) == "host"

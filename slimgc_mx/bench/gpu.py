@@ -45,6 +45,8 @@ CONFIGS = OrderedDict([
      "(overlap=False), not during backward"),
     ("slimgc-device-cttab", "slimgc-device with the CTTab choosing each bucket's route "
      "(comm_threshold='auto'; its warm-up is the run's warm-up)"),
+    ("slimgc-device-powersgd", "SlimGC powersgd, rank 4, on the device path, backup (every "
+     "matrix compressed; against ddp-powersgd, PyTorch's hook of the same rank)"),
     ("slimgc-offload", "SlimGC 2bit, every tensor compressed on the CPU (offload), backup"),
     ("slimgc-gpu", "SlimGC 2bit, every tensor compressed on the gradient's device, backup"),
     ("slimgc-placement", "SlimGC 2bit, the CTTab's placement (offload='auto'), backup"),
@@ -514,7 +516,11 @@ def _setup(config, model, device, world, warmup):
         return ddp, sgd, info
     import slimgc_mx.torch as slimgc
     options = {"backup": not config.endswith("-nobackup")}
-    if config == "slimgc-device-cttab":
+    compression = "2bit"
+    if config == "slimgc-device-powersgd":
+        compression = "powersgd"
+        options.update(data_path="device", comm_threshold=0, rank=POWERSGD_RANK)
+    elif config == "slimgc-device-cttab":
         options.update(data_path="device", comm_threshold="auto", warmup_steps=max(2, warmup))
     elif config.startswith("slimgc-device"):
         options.update(data_path="device", comm_threshold=0)
@@ -526,7 +532,7 @@ def _setup(config, model, device, world, warmup):
         options.update(offload=config.startswith("slimgc-offload"), comm_threshold=0)
     options.setdefault("data_path", "host")
     try:
-        opt = slimgc.DistributedOptimizer(sgd, model, compression="2bit", **options)
+        opt = slimgc.DistributedOptimizer(sgd, model, compression=compression, **options)
     except ImportError as exc:  # offload=False needs the torch device codec
         raise RuntimeError("%s: the codec on the gradient's device (offload=False) is not "
                            "available: %s" % (config, exc)) from exc
@@ -659,7 +665,8 @@ def run_rank(spec):
                                               "compressed_transfers", "fused_keys",
                                               "fused_buckets", "cttab_reason", "data_path",
                                               "buckets", "compressed_buckets",
-                                              "compressed_keys", "cttab_phase", "overlap")
+                                              "compressed_keys", "cttab_phase", "overlap",
+                                              "compressor")
                         if k in after}
         out["stats"]["cttab_rows"] = len(after.get("cttab") or [])
         out["step_copies"] = last_copies  # the last timed step's (stats()' step_copies)
@@ -790,6 +797,13 @@ def checks(results):
                             "target": "slimgc-device peak <= ddp peak",
                             "value": "%.2f vs %.2f GiB" % (dev["peak_gib"], ddp["peak_gib"]),
                             "met": dev["peak_gib"] <= ddp["peak_gib"]})
+        low, hook = ok(model, procs, "slimgc-device-powersgd"), ok(model, procs, "ddp-powersgd")
+        if low and hook and procs > 1:  # the same rank: only backup can hide its rounds
+            out.append({"model": model, "procs": procs,
+                        "target": "slimgc-device-powersgd step <= ddp-powersgd",
+                        "value": "%.1f vs %.1f ms (%.2fx)" % (
+                            low["ms_step"], hook["ms_step"], low["ms_step"] / hook["ms_step"]),
+                        "met": low["ms_step"] <= hook["ms_step"]})
         for suffix in ("", "-nobackup"):
             pl, gpu, cpu = (ok(model, procs, c + suffix) for c in
                             ("slimgc-placement", "slimgc-gpu", "slimgc-offload"))

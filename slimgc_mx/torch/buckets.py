@@ -8,6 +8,7 @@ import torch
 from ..codecs import NonFiniteGradientError
 from ..engine import residual_watch
 from .device import _DTYPES, TorchDeviceCodec
+from .lowrank import TorchPowerSGD
 from .framework import _constructor_args
 from .routes import COMPRESSED, FULL, HOST
 
@@ -29,13 +30,16 @@ def plan_buckets(named, group_of, codec, comm_threshold, cap_bytes):
     scale and 4bit's group, terngrad's and thc's maximum, qsgd's norms, the random draws of
     those and of randomk, keyed by the tensor's seed) gets one bucket per compressed tensor,
     so that its statistic, draws and state stay the tensor's own, as the host path's per
-    key; only one that encodes element by element (encodes_by_piece: 2bit) fuses tensors."""
+    key; only one that encodes element by element (encodes_by_piece: 2bit) fuses tensors.
+    A tensor the codec sends in full precision (compresses(): powersgd's vectors) goes to
+    a full-precision bucket."""
     per_tensor = codec is not None and not codec.traits.encodes_by_piece
     specs, run, run_key, run_bytes = [], [], None, 0
     for i in reversed(range(len(named))):
         p = named[i][1]
         nbytes = p.numel() * p.element_size()
-        compressed = codec is not None and nbytes >= comm_threshold
+        compressed = codec is not None and nbytes >= comm_threshold \
+            and codec.compresses(tuple(p.shape))  # (powersgd: matrices only, as the host's)
         key = (group_of[i], compressed)
         if run and (key != run_key or run_bytes + nbytes > cap_bytes
                     or (compressed and per_tensor)):
@@ -66,7 +70,10 @@ class Bucket:
         args = _constructor_args(optimizer, group)
         self.shadow = type(optimizer)(self.glo_views, **args)  # glo_buf's optimizer: the state
         self.local = type(optimizer)(self.params, **args)  # loc_buf's: the state copied in
-        self.codec = TorchDeviceCodec(codec) if spec.compressed else None
+        self.codec = None
+        if spec.compressed:  # powersgd's rounds: a bucket of one matrix (plan_buckets)
+            self.codec = TorchPowerSGD(codec, self.params[0].shape, num_workers) \
+                if TorchPowerSGD.supports(codec) else TorchDeviceCodec(codec)
         # the residual watch's samples (DevicePath judges them) and the compressed pushes
         self.watch = residual_watch.Series(codec.residual_fill(self.numel)) \
             if self.codec is not None else None
@@ -187,9 +194,23 @@ class Bucket:
             self.lanes = self._q_lanes
             if self.sent_route == HOST:
                 self._encode_on_host(flat, num_workers, flag, rank, counts)
+            elif self.codec.rounds == 2:  # powersgd: P now, Q once P's sum is in (next_round)
+                self.codec.encode(flat, self.residual, self.parts()[0], flag)
             else:
                 self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag,
                                   rank=rank)
+
+    def parts(self):
+        """The lanes as the exchanges that sum them, in order: powersgd's P and then Q (each
+        summed before the next is made: next_round), any other route's lanes whole."""
+        if self.sent_compressed and self.codec.rounds == 2:
+            return self.codec.parts(self.lanes)
+        return (self.lanes,)
+
+    def next_round(self, i, flag):
+        """After part i's sum: write part i + 1 (powersgd's Q_j from the summed P)."""
+        p_sum, q = self.parts()[i:i + 2]
+        self.codec.next_round(p_sum, q, flag)
 
     def _encode_on_host(self, flat, num_workers, flag, rank, counts):
         """The host route: the Cython codec encodes the gradient (+ residual) on the CPU, on
@@ -226,8 +247,11 @@ class Bucket:
             if not self.sent_compressed:
                 torch.div(self.lanes, num_workers, out=self.mean)
                 return
-            self.codec.decode(self.lanes, self.numel, num_workers, out=self.mean,
-                              checked=False)
+            if self.codec.rounds == 2:
+                self.codec.decode(self.parts()[1], self.mean)
+            else:
+                self.codec.decode(self.lanes, self.numel, num_workers, out=self.mean,
+                                  checked=False)
             if getattr(self.codec.codec, "trailer_lanes", 0) and self.lanes.is_cuda:
                 counts.host_syncs += 1  # the statistic read back (1bit's scale, 4bit's group)
             # (gathered values, terngrad's, qsgd's, thc's, stay on the device: no read)

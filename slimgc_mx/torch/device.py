@@ -241,6 +241,8 @@ class TorchDeviceCodec:
     read, at a checkpoint).
     """
 
+    rounds = 1  # one summed exchange per push (lowrank.TorchPowerSGD has two)
+
     def __init__(self, codec, copies=None):
         if not self.supports(codec):
             name = getattr(codec, "name", type(codec).__name__)

@@ -13,7 +13,8 @@ where the first step shows a gradient changing after backward):
   2. backup on: the local update into the parameter (loc_buf): glo_buf, then one step of
      the same rule with this rank's gradient on a copy of the global state;
   3. error feedback and the encode into lanes (torch/device.py: bitwise the Cython lanes);
-  4. the lanes' sum started on the process group (async).
+  4. the lanes' sum started on the process group (async); powersgd (torch/lowrank.py)
+     sums its P, waits for that sum on the device and then sums its Q.
 Without backup, 1 runs after every bucket's 4 and the parameters get glo_buf.
 
 Every bucket's NaN/Inf flag (2**rank) and the step's settings hash (step_check.py) travel
@@ -48,7 +49,9 @@ from .collective import Collectives, Rider
 from .copies import CopyCounts
 from .buckets import Bucket, plan_buckets
 from .device import TorchDeviceCodec
+from .lowrank import TorchPowerSGD
 from .routes import BucketRoutes, agree
+from .state import from_tensors, to_tensors
 
 #: DDP's default bucket size.
 BUCKET_CAP_MB = 25.0
@@ -69,9 +72,10 @@ def lacks(config, optimizer):
     """Why the device path cannot run `config` (a SlimGCConfig) for `optimizer`, or None."""
     codec = make_codec(config)
     if codec is not None:
-        if not TorchDeviceCodec.supports(codec):
+        if not (TorchDeviceCodec.supports(codec) or TorchPowerSGD.supports(codec)):
             return ("compression=%r has no torch-ops version yet (the device path serves "
-                    "none, 1bit, 2bit, 4bit, terngrad, qsgd, thc and randomk)" % config.compressor)
+                    "none, 1bit, 2bit, 4bit, terngrad, qsgd, thc, randomk and powersgd)"
+                    % config.compressor)
     for name in ("loc_lr", "loc_optimizer", "trace"):
         if getattr(config, name) is not None:
             return "%s is the host path's option" % name
@@ -186,6 +190,7 @@ class DevicePath:
         self.blocked_s = 0.0  # waiting for sums on the host
         self.bytes_pushed = 0
         self.bytes_fp32 = 0
+        self.transfers = 0  # the sums started: the buckets' exchanges and the tails
         self._fp32_bytes = 4 * sum(b.numel for b in self.buckets)
         with torch.no_grad():  # rank 0's weights everywhere, as the host path's
             for b in self.buckets:
@@ -296,7 +301,14 @@ class DevicePath:
             watch = self.tail[self._watch_at + 2 * j:self._watch_at + 2 * j + 2]
             self._sampling.append((j, b.pushes))
         b.encode(grads, self.num_workers, self.tail[j], self.rank, self.counts, watch=watch)
-        b.work = self._sum(b.lanes)
+        parts = b.parts()
+        for i, part in enumerate(parts):
+            if i:  # powersgd's Q is made from the summed P (NCCL: the stream waits for it)
+                if b.work is not None:
+                    b.work.wait()
+                b.next_round(i - 1, self.tail[j])
+            b.work = self._sum(part)
+        self.transfers += len(parts)
         if timed:  # the sum waited for (CUDA: the stream waits), in the warm-up only
             if b.work is not None:
                 b.work.wait()
@@ -339,6 +351,7 @@ class DevicePath:
                 if self.tail.is_cuda:
                     self.counts.h2d_bytes += staged.numel() * staged.element_size()
         self._tail_work = self._sum(self.tail)
+        self.transfers += 1
         self._tail_event = self._tail_to_host()
         self._tail_rider = rider
         self._flags = None
@@ -612,12 +625,13 @@ class DevicePath:
                 "compress_s": 0.0, "comm_s": 0.0, "blocked_s": self.blocked_s,
                 "residual_growth": self.residual_growth,
                 "overlap": self.overlap,
-                "transfers": self.step_count * (len(self.buckets) + 1)}
+                "transfers": self.transfers}
 
     # -- checkpoint state ----------------------------------------------------------------------
     def state_dict(self):
         """glo_buf, the residual and the global optimizer's state of every bucket (host), and
-        the CTTab's routes (in the warm-up: its samples so far)."""
+        the CTTab's routes (in the warm-up: its samples so far); a codec's arrays (powersgd's
+        Q) as state.py keeps them, so that torch.load(weights_only=True) reads it back."""
         self.wait()
         self._read_spans()
         out = []
@@ -627,7 +641,7 @@ class DevicePath:
                         "glo_buf": _to_cpu(b.glo),
                         "residual": _to_cpu(b.residual),
                         "optimizer": _to_cpu(state),
-                        "codec": None if b.codec is None else b.codec.state_dict()})
+                        "codec": None if b.codec is None else to_tensors(b.codec.state_dict())})
         return {"buckets": out, "step": self.step_count, "routes": self.routes.state_dict()}
 
     def load_state_dict(self, state):
@@ -653,7 +667,7 @@ class DevicePath:
                         if b.residual is None:
                             b.residual = torch.zeros_like(b.glo)
                         b.residual.copy_(s["residual"])
-                    b.codec.load_state_dict(s["codec"])
+                    b.codec.load_state_dict(from_tensors(s["codec"]))
                 b.shadow.load_state_dict(s["optimizer"])
                 b.step = None
                 b.work = None

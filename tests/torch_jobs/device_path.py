@@ -4,6 +4,9 @@ and itself resumed; each rank records what it found.
     device_path.py OUT match [CASES]
                                   every codec it serves x backup on/off x SGD/Adam: the
                                   flushed weights of both paths (and DDP's, full precision)
+    device_path.py OUT powersgd   powersgd (two rounds, one matrix bucket) x backup on/off x
+                                  SGD/Adam against the host path, its products made by
+                                  torch and by NumPy (the host codec's: the rest bitwise)
     device_path.py OUT nan        rank 1's input, so its gradient, is NaN at step 3: the error
     device_path.py OUT settings   rank 1 changes its lr at step 4: the error
     device_path.py OUT changed    rank 1 scales its gradient after backward at step 3, when
@@ -11,13 +14,15 @@ and itself resumed; each rank records what it found.
     device_path.py OUT overlap    buckets started in backward against in step() (backup on
                                   and off, none and 2bit), and with accumulation
     device_path.py OUT resume     state_dict at step 5, resumed in a new optimizer: the
-                                  weights at step 10 of both runs (2bit, terngrad)
+                                  weights at step 10 of both runs (2bit, terngrad, powersgd),
+                                  the state through torch.save and torch.load(weights_only)
     device_path.py OUT cttab      comm_threshold='auto' (the CTTab's warm-up of 4 steps):
                                   the routes each rank adopts with its own timings, with
                                   timings injected that differ between the ranks, forced to
                                   full precision against DDP from the warm-up's weights on,
                                   and resumed mid-warm-up and after the decision
 """
+import io
 import sys
 
 import torch
@@ -141,6 +146,34 @@ if mode == "match":
         result["ddp-" + optimizer] = {"ddp": digest(ddp), "device": digest(device)}
     record(out, "match", rank, **result)
 
+elif mode == "powersgd":
+    import numpy as np
+    from slimgc_mx.torch.lowrank import TorchPowerSGD
+
+    def numpy_products(a, b, out):  # the host codec's np.matmul, on the same operands
+        out.copy_(torch.from_numpy(np.matmul(a.numpy(), b.numpy())))
+    result = {}
+    for backup in (True, False):
+        for optimizer in ("sgd", "adam"):
+            host, _ = train("host", "powersgd", backup, optimizer)
+            for products in ("torch", "numpy"):
+                if products == "numpy":
+                    TorchPowerSGD.matmul = staticmethod(numpy_products)
+                try:
+                    device, stats = train("device", "powersgd", backup, optimizer)
+                finally:
+                    TorchPowerSGD.matmul = staticmethod(torch.matmul)
+                case = "%s-%s-%s" % (products, "backup" if backup else "nobackup", optimizer)
+                result[case] = {"host": digest(host), "device": digest(device),
+                                "max_diff": float((host - device).abs().max()),
+                                "largest": float(host.abs().max()),
+                                "data_path": stats["data_path"], "buckets": stats["buckets"],
+                                "compressed_buckets": stats["compressed_buckets"],
+                                "transfers": stats["transfers"], "steps": stats["steps"],
+                                "bytes_pushed": stats["bytes_pushed"],
+                                "bytes_fp32": stats["bytes_fp32"]}
+    record(out, "powersgd", rank, **result)
+
 elif mode == "nan":
     def poison(step, x):
         if step == 3 and rank == 1:
@@ -184,14 +217,20 @@ elif mode == "resume":
         opt.close()
         return params, flushed, saved
     result = {}
-    for compression in ("2bit", "terngrad"):  # terngrad: its scale kept on the device
-        p1, f1, state = run(10, compression=compression)
+    for compression in ("2bit", "terngrad", "powersgd"):  # terngrad's scale and powersgd's
+        p1, f1, state = run(10, compression=compression)  # Q kept on the device
+        saved = io.BytesIO()  # as a user keeps it: torch.save, then torch.load of tensors only
+        torch.save(state, saved)
+        saved.seek(0)
+        state = torch.load(saved, weights_only=True)
         p2, f2, _ = run(10, state, compression=compression)
+        codec_states = [b["codec"] for b in state["device_path"]["buckets"] if b["codec"]]
         result[compression] = dict(params=[digest(p1), digest(p2)],
                                    flushed=[digest(f1), digest(f2)],
-                                   scales=[b["codec"]["scale"] for b in state["device_path"][
-                                       "buckets"] if b["codec"]] if compression == "terngrad"
-                                   else [])
+                                   scales=[c["scale"] for c in codec_states]
+                                   if compression == "terngrad" else [],
+                                   q_columns=[c["q"]["shape"][1] for c in codec_states]
+                                   if compression == "powersgd" else [])
     record(out, "resume", rank, **result)
 elif mode == "cttab":
     WARMUP = 4
