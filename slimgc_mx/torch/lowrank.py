@@ -6,9 +6,9 @@ Q_j = M^T P_hat with P_hat the summed P orthonormalized (float64 Gram-Schmidt, s
 element order), the residual becomes M - P_hat Q_j^T, and decode gives P_hat Q_sum^T and
 keeps Q_sum as the next step's Q (a column that sums to zeros drawn again from the push's
 seed, as the first Q is). Everything but the two matrix products is bitwise the host
-codec's, on the CPU and on CUDA (tests/test_torch_lowrank.py gives both the same products); the products are the
-device's BLAS, so a matrix is close to the host codec's, not bitwise, and every rank of a
-job computes the same. Nothing here reads the device from the host: a NaN/Inf in M, in
+codec's, on the CPU and on CUDA (tests/test_torch_lowrank.py gives both the same
+products); the products are the device's BLAS, so a matrix is close to the host codec's,
+not bitwise, and every rank of a job computes the same. Nothing here reads the device from the host: a NaN/Inf in M, in
 the summed P or in Q_j raises the bucket's flag, which the device path reads later.
 """
 import torch
