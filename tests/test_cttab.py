@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from slimgc_mx.engine.cttab import CTTab, NEVER, SAMPLES_PER_SIZE, fit_link, format_bytes
+from slimgc_mx.engine.cttab import (CTTab, MIN_FIT_SPAN, NEVER, SAMPLES_PER_SIZE, fit_link,
+                                    format_bytes)
 
 
 def _row(size, t_c, t_q, tensors=1):
@@ -111,6 +112,34 @@ def test_tiny_sizes_give_no_bandwidth_to_fit():
     assert tab.link["latency_s"] == pytest.approx(1.3e-3)
     assert tab.decide() == NEVER
     assert CTTab.choose(rows, "measured") == 16  # as measured, the noise decides
+
+
+def test_a_warm_up_that_cannot_change_the_decision_is_not_run():
+    """Every compressible tensor under MIN_FIT_SPAN: whatever the timings, the fit reads no
+    bandwidth and never compresses, so the CTTab decides at step 0 and says why."""
+    import random
+    rng = random.Random(0)
+    sizes = [16] * 50 + [MIN_FIT_SPAN - 4, 4096]
+    for trial in range(200):  # the claim, on timings of any kind
+        tab = CTTab("auto", warmup_steps=4, fused_fp=trial % 2 == 0)
+        _record_link(tab, sizes, rng.uniform(0, 1e-2), rng.uniform(1e3, 1e11),
+                     lambda n: rng.uniform(0, 1e-3), lambda key, step: rng.uniform(0, 1e-2))
+        assert tab.decide() == NEVER, trial
+    tab = CTTab("auto", warmup_steps=4)
+    for key, size in enumerate(sizes):
+        tab.declare(key, size)
+    assert tab.needs_decision(0) and "there is no warm-up" in tab.foregone()
+    assert tab.decide() == NEVER and tab.rows == []
+    tab.adopt(NEVER)
+    assert tab.phase == "trained" and "under 64.0 KiB" in tab.reason and not tab.foregone()
+    # one tensor of MIN_FIT_SPAN bytes: a link may be read, so the warm-up runs; the
+    # 'measured' rule reads its rows as measured, so it always runs
+    for tab, size in ((CTTab("auto", warmup_steps=4), MIN_FIT_SPAN),
+                      (CTTab("auto", warmup_steps=4, rule="measured"), 16)):
+        tab.declare(0, 16)
+        tab.declare(1, size)
+        assert tab.foregone() is None and not tab.needs_decision(0)
+    assert CTTab(4096).foregone() is None  # a fixed threshold has no warm-up at all
 
 
 def test_fit_ignores_noisy_small_transfers_that_fool_the_measured_rule():

@@ -21,6 +21,10 @@ and compares the fitted times: on a host whose cores are shared with training,
 two identical small transfers can differ tenfold, and the fit keeps that noise
 from deciding.
 
+Under 'fit', a job whose compressible tensors are all smaller than MIN_FIT_SPAN has no
+warm-up: no fit can read a bandwidth from them, and without one compression never pays,
+so the CTTab decides 'never' before the first step's routes (foregone()).
+
 The margin makes the decision reproducible: each compressed tensor counts 1 + margin
 times its t_c^q + t_p^q (cttab_margin, 0.5 in the kvstore), and BestCT is the cut with
 the least total time. So a size whose benefit ratio t_c / (t_c^q + t_p^q) sits within
@@ -127,8 +131,24 @@ class CTTab:
         return self.placement.get(nbytes, "host")
 
     def needs_decision(self, step):
-        """True when the warm-up is over and the table must be built before `step` is routed."""
-        return self.phase == "warmup" and step >= self.warmup_steps
+        """True when the warm-up is over (or has nothing to learn: foregone()) and the table
+        must be built before `step` is routed."""
+        return self.phase == "warmup" and (step >= self.warmup_steps or self.foregone())
+
+    def foregone(self):
+        """Why the warm-up cannot change the decision, or None. Under the 'fit' rule, where
+        every compressible tensor is smaller than MIN_FIT_SPAN, no two transfers can span
+        enough bytes for the fit to read a bandwidth, and without one compression never
+        pays (a compressed tensor's fitted time is the link's latency plus its codec's);
+        so the job goes full precision, fused, from its first step instead of timing
+        transfers it cannot use (500 tiny tensors: one serial transfer a step)."""
+        if self.phase != "warmup" or self.rule != "fit" or not self._declared:
+            return None
+        if max(self._declared) >= MIN_FIT_SPAN:
+            return None
+        return ("every compressible tensor is under %s, too few bytes for the fit to read "
+                "the link's bandwidth from, so compression cannot pay and there is no "
+                "warm-up" % format_bytes(MIN_FIT_SPAN))
 
     def record(self, key, nbytes, compressed, t_comm, t_proc=0.0, wire_bytes=None,
                where="host"):
@@ -230,8 +250,9 @@ class CTTab:
             for r in self.rows:  # the table shows the adopted place
                 if "where" in r:
                     r["where"] = self.placement.get(r["size"], "host")
+        foregone = None if self.rows else self.foregone()
         self.phase = "trained"
-        self.reason = self.explain()
+        self.reason = foregone or self.explain()
         log.info("CTTab: BestCT = %s: %s\n%s", format_bytes(best_ct), self.reason,
                  self.format_table())
 

@@ -1,6 +1,6 @@
 """A rank of a job of many tiny parameters, DDP (`ddp`) or SlimGC (`slimgc` with JSON
 options), once per mode of a comma list: records each step's seconds and SlimGC's transfers
-after each step. Options `steps`, `params` (tiny ones, 4 elements) and `large` (of 4096
+after each step. Options `steps`, `params` (tiny ones, 4 elements) and `large` (of 16384
 elements) are the script's. The model and its timed steps are `bench small-keys`'."""
 import json
 import sys
