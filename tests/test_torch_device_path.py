@@ -9,7 +9,7 @@ from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
 from slimgc_mx.torch import buckets, device_path, routes  # noqa: E402
 from torch_launch import Batch, results  # noqa: E402
 
-MODES = ("match", "powersgd", "nan", "settings", "resume", "changed", "overlap", "cttab")
+MODES = ("match", "powersgd", "pieces", "nan", "settings", "resume", "changed", "overlap", "cttab")
 SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
 #: torch_jobs/device_path.py's CODECS: each codec it serves, and two with options (thc's
 #: rotation; qsgd's buckets below 8 elements and levels not a power of two).
@@ -76,6 +76,19 @@ def test_powersgd_on_the_device_gives_the_host_paths_weights_given_its_products(
             assert got["max_diff"] <= 2e-7, case  # the SGD kernel's rounding, no more
         else:
             assert got["max_diff"] <= 1e-5 * got["largest"], case
+
+
+@pytest.mark.slow
+def test_a_job_run_piece_by_piece_gives_the_host_paths_weights(tmp_path):
+    """Pieces of 64 elements (a large tensor's, made small): 2bit's encode and decode, 4bit's
+    decode, powersgd's outer products piece by piece in a 2-rank job, backup on and off:
+    Adam's global weights the host path's bit for bit, as whole tensors give them."""
+    ranks = job(tmp_path, "pieces")
+    assert ranks[0] == ranks[1]
+    assert sorted(ranks[0]) == ["2bit-False", "2bit-True", "4bit-True", "powersgd-True"]
+    for case, got in ranks[0].items():
+        assert got["compressed_buckets"] >= 1, case
+        assert got["device"] == got["host"], case
 
 
 @pytest.mark.slow

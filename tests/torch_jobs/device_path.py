@@ -7,6 +7,10 @@ and itself resumed; each rank records what it found.
     device_path.py OUT powersgd   powersgd (two rounds, one matrix bucket) x backup on/off x
                                   SGD/Adam against the host path, its products made by
                                   torch and by NumPy (the host codec's: the rest bitwise)
+    device_path.py OUT pieces     pieces of 64 elements (device.PIECE_ELEMENTS, lowrank's):
+                                  2bit's encode and decode, 4bit's decode and powersgd's
+                                  outer products run piece by piece; Adam, against the
+                                  host path
     device_path.py OUT nan        rank 1's input, so its gradient, is NaN at step 3: the error
     device_path.py OUT settings   rank 1 changes its lr at step 4: the error
     device_path.py OUT changed    rank 1 scales its gradient after backward at step 3, when
@@ -173,6 +177,29 @@ elif mode == "powersgd":
                                 "bytes_pushed": stats["bytes_pushed"],
                                 "bytes_fp32": stats["bytes_fp32"]}
     record(out, "powersgd", rank, **result)
+
+elif mode == "pieces":
+    import numpy as np
+    from slimgc_mx.torch import device as device_ops
+    from slimgc_mx.torch import lowrank
+
+    def numpy_products(a, b, out):  # the host codec's np.matmul, on the same operands
+        out.copy_(torch.from_numpy(np.matmul(a.numpy(), b.numpy())))
+    result = {}
+    for compression, backup in (("2bit", True), ("2bit", False), ("4bit", True),
+                                ("powersgd", True)):
+        host, _ = train("host", compression, backup, "adam")
+        device_ops.PIECE_ELEMENTS = lowrank.PIECE_ELEMENTS = 64
+        lowrank.TorchPowerSGD.matmul = staticmethod(numpy_products)
+        try:
+            device, stats = train("device", compression, backup, "adam")
+        finally:
+            device_ops.PIECE_ELEMENTS = lowrank.PIECE_ELEMENTS = 1 << 23
+            lowrank.TorchPowerSGD.matmul = staticmethod(torch.matmul)
+        result["%s-%s" % (compression, backup)] = {
+            "host": digest(host), "device": digest(device),
+            "compressed_buckets": stats["compressed_buckets"]}
+    record(out, "pieces", rank, **result)
 
 elif mode == "nan":
     def poison(step, x):
