@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="bench gpu needs PyTorch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "ddp-gpu-1bit", "slimgc-offload",
-           "slimgc-device-cttab", "slimgc-device-nooverlap"]
+           "slimgc-device-cttab", "slimgc-device-nooverlap", "slimgc-device-offload"]
 
 
 def _bench(*args, timeout=240):
@@ -57,6 +57,9 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
         stats = got[(procs, "slimgc-device-cttab")]["ranks"][0]["stats"]
         assert stats["cttab_phase"] == "decided" and stats["data_path"] == "device", stats
     assert got[(1, "slimgc-device-nooverlap")]["ranks"][0]["stats"]["overlap"] == "off"
+    home = got[(1, "slimgc-device-offload")]["ranks"][0]
+    assert home["info"]["options"]["state_on"] == "host", home["info"]
+    assert home["step_copies"]["h2d_bytes"] > 0 and home["step_copies"]["pageable_bytes"] == 0
     low = got[(2, "slimgc-device-powersgd")]["ranks"][0]["stats"]
     assert low["compressor"] == "powersgd" and low["compressed_buckets"] > 0, low
     assert doc["machine"]["torch"] == torch.__version__
@@ -76,6 +79,22 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
             assert "fig14.png not drawn" in r.stderr and "pip install matplotlib" in r.stderr
         # a progress line per config as it finishes
         assert sum(line.startswith("tiny ") for line in r.stdout.splitlines()) == len(configs)
+
+
+def test_the_targets_hold_offloaded_state_to_no_ddps_memory_and_1_5x_ddps_step():
+    from slimgc_mx.bench import gpu
+
+    def rec(config, ms, peak):
+        return {"model": "vgg16", "procs": 1, "config": config, "status": "ok",
+                "ms_step": ms, "peak_gib": peak}
+    for ms, peak, met in ((40.0, 3.5, (True, True)), (45.0, 4.0, (False, False))):
+        found = {c["target"]: c for c in gpu.checks([
+            rec("no-ddp", 26.0, 3.86), rec("ddp", 28.0, 4.89),
+            rec("slimgc-device-offload", ms, peak)])}
+        peak_row = found["slimgc-device-offload peak <= no-ddp peak"]
+        step_row = found["slimgc-device-offload step <= 1.5x ddp"]
+        assert (peak_row["met"], step_row["met"]) == met
+        assert step_row["value"] == "%.1f vs 28.0 ms (%.2fx)" % (ms, ms / 28.0)
 
 
 def test_the_targets_compare_slimgcs_powersgd_with_the_hook_at_two_ranks():

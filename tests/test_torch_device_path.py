@@ -9,7 +9,8 @@ from slimgc_mx.engine.config import SlimGCConfig  # noqa: E402
 from slimgc_mx.torch import buckets, device_path, routes  # noqa: E402
 from torch_launch import Batch, results  # noqa: E402
 
-MODES = ("match", "powersgd", "pieces", "nan", "settings", "resume", "changed", "overlap", "cttab")
+MODES = ("match", "powersgd", "pieces", "state_on", "nan", "settings", "resume", "changed",
+         "overlap", "cttab")
 SHARED = Batch(*(("device_path.py", mode) for mode in MODES))
 #: torch_jobs/device_path.py's CODECS: each codec it serves, and two with options (thc's
 #: rotation; qsgd's buckets below 8 elements and levels not a power of two).
@@ -89,6 +90,31 @@ def test_a_job_run_piece_by_piece_gives_the_host_paths_weights(tmp_path):
     for case, got in ranks[0].items():
         assert got["compressed_buckets"] >= 1, case
         assert got["device"] == got["host"], case
+
+
+@pytest.mark.slow
+def test_offloaded_state_gives_the_same_weights_and_moves_it_each_step(tmp_path):
+    """state_on='host': glo_buf and the optimizer's state in host memory, staged for each
+    bucket's pass: the weights of state_on='device' bit for bit (SGD, Adam; backup on and
+    off; none, 2bit, powersgd; a checkpoint through torch.save at step 4; 2bit clipped by
+    slimgc.clip_grad_norm_, whose norm needs every bucket's mean first); each steady step
+    brings every bucket's glo_buf and state in once and takes it out once; between passes
+    nothing is staged and the optimizer holds the host tensors."""
+    ranks = job(tmp_path, "state_on")
+    assert ranks[0] == ranks[1]
+    r = ranks[0]
+    assert len(r) == 14 and "sgd-True-2bit-clip" in r and "sgd-False-2bit-clip" in r
+    for case, got in r.items():
+        on, off = got["device"], got["host"]
+        assert on["weights"] == off["weights"], case
+        assert on["homes"] == 0 and off["homes"] == off["buckets"] > 1, case
+        assert off["at_home"], case
+        per_element = 2 if case.startswith("adam") else 1  # Adam's moments, SGD's momentum
+        assert off["state_bytes"] == per_element * off["glo_bytes"], case
+        whole = off["glo_bytes"] + off["state_bytes"]
+        for step in (2, 3, 6, 7):  # steady steps (not the first, nor around the load)
+            assert off["moved"][step] == [whole, whole], (case, step, off["moved"])
+        assert all(m == [0, 0] for m in on["moved"]), case  # kept on the device: no copy
 
 
 @pytest.mark.slow
@@ -506,6 +532,22 @@ def test_bad_bucket_cap_or_overlap_is_refused_naming_it():
     with pytest.raises(TypeError, match="overlap must be True"):
         slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
                                     data_path="device", overlap="yes")
+    for bad in ("cpu", "gpu", True):
+        with pytest.raises(ValueError, match="state_on must be one of 'device', 'host'"):
+            slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                        data_path="device", state_on=bad)
+    with pytest.raises(ValueError, match="state_on='device' is the device path's.*"
+                                         "data_path='device'"):
+        slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                    data_path="host", state_on="device")
+    opt = slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                      data_path="host", state_on="host")  # what it does
+    assert opt.data_path == "host"
+    opt.close()
+    opt = slimgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+                                      data_path="device", state_on="host")
+    assert "offloaded to" in opt._device.describe() and opt._device.state_on == "host"
+    opt.close()
 
 
 def test_one_process_without_torch_distributed_matches_plain_torch():

@@ -9,6 +9,7 @@ from ..codecs import NonFiniteGradientError
 from ..engine import residual_watch
 from .device import _DTYPES, TorchDeviceCodec
 from .lowrank import TorchPowerSGD
+from .state_home import StateHome
 from .framework import _constructor_args
 from .routes import COMPRESSED, FULL, HOST
 
@@ -62,9 +63,10 @@ class Bucket:
         self.params = [named[i][1] for i in spec.indices]
         self.sizes = [p.numel() for p in self.params]
         self.numel = sum(self.sizes)
-        device = self.params[0].device
+        device = self.device = self.params[0].device
         with torch.no_grad():
             self.glo = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.home = None  # state_home.StateHome where glo_buf and the state are offloaded
         self.glo_views = self._views(self.glo)
         group = {k: v for k, v in optimizer.param_groups[spec.group].items() if k != "params"}
         args = _constructor_args(optimizer, group)
@@ -104,6 +106,21 @@ class Bucket:
             out.append(flat[offset:offset + n].view(p.shape))
             offset += n
         return out
+
+    def offload(self, copies):
+        """glo_buf and the global optimizer's state kept in host memory from now on, staged
+        on the device for the passes that read them (stage(), unstage())."""
+        self.home = StateHome(self, copies)
+
+    def stage(self):
+        """glo_buf and the state on the device for a pass (offloaded: swapped in); True
+        where this call staged them."""
+        return self.home.use() if self.home is not None else False
+
+    def unstage(self):
+        """The stage-out queued, host memory back in place (offloaded); else nothing."""
+        if self.home is not None:
+            self.home.put_back()
 
     def settings(self, group):
         """The user's current settings of this bucket's param group into both optimizers."""
@@ -163,7 +180,7 @@ class Bucket:
             if not self.sent_compressed:
                 if self._fp_lanes is None:
                     self._fp_lanes = torch.empty(self.numel, dtype=torch.float32,
-                                                 device=self.glo.device)
+                                                 device=self.device)
                 self.lanes = self._fp_lanes
                 torch.cat([g.reshape(-1) for g in grads], out=self.lanes)
                 if self.residual is not None:
@@ -243,7 +260,7 @@ class Bucket:
     def decode(self, num_workers, counts):
         """The summed lanes -> the mean gradient (mean, until global_step)."""
         with torch.no_grad():  # allocated per bucket: one bucket's worth is live at a time
-            self.mean = torch.empty(self.numel, dtype=torch.float32, device=self.glo.device)
+            self.mean = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             if not self.sent_compressed:
                 torch.div(self.lanes, num_workers, out=self.mean)
                 return

@@ -4,7 +4,10 @@ The host path (the engine's pipeline) copies each gradient to the host and the g
 weights and optimizer state back; here nothing leaves the device. Parameters are fused into
 buckets (DDP's bucket_cap_mb, in reverse order, the order backward produces them), each
 keeping on the device its glo_buf, the global optimizer's state (an instance of the user's
-optimizer over glo_buf's views), its error-feedback residual and its lanes. One pass per
+optimizer over glo_buf's views), its error-feedback residual and its lanes; with
+state_on='host' its glo_buf and that state live in host memory instead, staged on the
+device for the pass that reads them (state_home.py), and each bucket's deferred global
+update (1) runs in its own pass rather than all in the step's first. One pass per
 bucket, started from backward once its last gradient is accumulated (hook(); in step()
 where the first step shows a gradient changing after backward):
   1. backup on: the previous step's global update, deferred until now: the sum waited for
@@ -52,6 +55,7 @@ from .device import TorchDeviceCodec
 from .lowrank import TorchPowerSGD
 from .routes import BucketRoutes, agree
 from .state import from_tensors, to_tensors
+from .state_home import StateCopies
 
 #: DDP's default bucket size.
 BUCKET_CAP_MB = 25.0
@@ -59,6 +63,8 @@ BUCKET_CAP_MB = 25.0
 
 #: What data_path takes.
 CHOICES = ("auto", "device", "host")
+#: Where the device path keeps glo_buf and the optimizer's state (state_home.py).
+STATE_ON = ("device", "host")
 
 
 def make_codec(config):
@@ -126,7 +132,12 @@ def lane_group(transport_group, cuda):
 class DevicePath:
     """A DistributedOptimizer's step on the device: buckets, their passes, the tail."""
 
-    def __init__(self, optimizer, named, group_of, config, transport, group, cap_mb=None):
+    def __init__(self, optimizer, named, group_of, config, transport, group, cap_mb=None,
+                 state_on="device"):
+        if state_on not in STATE_ON:
+            raise ValueError("state_on must be one of %s, got %r" % (
+                ", ".join(repr(x) for x in STATE_ON), state_on))
+        self.state_on = state_on
         self.optimizer = optimizer
         self.config = config
         self.num_workers, self.rank = transport.num_workers, transport.rank
@@ -196,6 +207,13 @@ class DevicePath:
             for b in self.buckets:
                 self._sum(b.glo, broadcast=True)
                 b.write_back()
+        self._due = []  # buckets whose global update of the pending step is still to run
+        self._copies = None  # state_home.StateCopies where the state is offloaded
+        if state_on == "host":  # glo_buf and the optimizer's state to host memory
+            self._copies = StateCopies(device, self.counts)
+            for b in self.buckets:
+                b.offload(self._copies)
+            self.buckets[0].home.fetch()  # the first pass's stage-in
 
     def _sum(self, tensor, broadcast=False):
         """Start the sum of `tensor` over the ranks (rank 0's value: `broadcast`); its Work,
@@ -280,10 +298,11 @@ class DevicePath:
         """Bucket j's pass: (the step's first) the deferred global updates; the local update;
         the encode; its sum started."""
         backup = self.config.backup
+        offloaded = self.state_on == "host"
         if not self._step_open:
             self.raise_error()
-            if backup:
-                self.finish_pending()
+            if backup:  # offloaded: each bucket's update at its own pass, below
+                self.finish_pending(apply=not offloaded)
             if self.routes.due(self.step_count):
                 self._decide()
             self.tail[self._watch_at:].zero_()  # read with the pending step's tail above
@@ -291,7 +310,13 @@ class DevicePath:
         b = self.buckets[j]
         b.settings(self.optimizer.param_groups[b.spec.group])
         if backup:
+            staged = b.stage()
+            if j + 1 < len(self.buckets) and offloaded:
+                self.buckets[j + 1].home.fetch()  # its stage-in beside this pass
+            self._apply(b)  # (offloaded: its due update; else done above)
             b.local_step(grads if local_scale is None else [g * local_scale for g in grads])
+            if staged:
+                b.unstage()
         timed = self.routes.warming and b.codec is not None
         if timed:  # the warm-up: this step's route, timed from the encode to the decode
             b.route = self.routes.route(j, self.step_count)
@@ -366,6 +391,8 @@ class DevicePath:
         self.bytes_fp32 += self._fp32_bytes
         if not backup:
             self.finish_pending(write_back=True)
+        if self._copies is not None:  # the next step's first pass: its stage-in now
+            self.buckets[0].home.fetch()
         if self.residual_growth is not None:  # on the training thread, once per process
             residual_watch.warn(self.residual_growth)
 
@@ -414,11 +441,39 @@ class DevicePath:
         self._flags = tail[:n + 1].copy()
         self._watch_sums = tail[self._watch_at:].copy()
 
-    def finish_pending(self, write_back=False):
+    def finish_pending(self, write_back=False, apply=True):
         """The pending step's global updates: its tail read (NaN/Inf flags, settings), each
-        bucket's sum decoded into glo_buf; with `write_back`, the parameters get glo_buf."""
-        if self._pending is None:
+        bucket's sum decoded into glo_buf; with `write_back`, the parameters get glo_buf.
+        apply=False: the tail read and checked only, each bucket's update left due until
+        its own pass (offloaded state: one bucket's staged at a time, _apply)."""
+        if self._pending is not None:
+            self._settle_pending()
+        if apply:
+            due = list(self._due)
+            for k, b in enumerate(due):
+                if k + 1 < len(due) and due[k + 1].home is not None:
+                    due[k + 1].home.fetch()  # the next one's stage-in beside this one's update
+                self._apply(b, write_back)
+
+    def _apply(self, b, write_back=False):
+        """Bucket b's due global update (decoded unless a clipped step decoded it), with its
+        glo_buf and state staged where they are offloaded; `write_back`: into the parameters."""
+        if b not in self._due:
             return
+        self._due.remove(b)
+        if b.mean is None:
+            self._decode(b)
+        staged = b.stage()
+        b.global_step()
+        b.step = None
+        if write_back:
+            b.write_back()
+        if staged:
+            b.unstage()
+
+    def _settle_pending(self):
+        """The pending step's tail read and acted on (errors, verdicts, the residual watch,
+        the settings check); its buckets made due (a clipped step's decoded and clipped)."""
         step = self._pending
         self.read_tail()
         for b in self.buckets:
@@ -437,19 +492,12 @@ class DevicePath:
             for b in self.buckets:
                 b.step = None
             self.check.raise_found()
-        pending = [b for b in self.buckets if b.step is not None]
+        self._due = [b for b in self.buckets if b.step is not None]
         clip, self._pending_clip = self._pending_clip, None
         if clip is not None:  # every mean first: the norm is over all of them
-            for b in pending:
+            for b in self._due:
                 self._decode(b)
-            self._clip(pending, *clip)
-        for b in pending:
-            if clip is None:
-                self._decode(b)
-            b.global_step()
-            b.step = None
-            if write_back:
-                b.write_back()
+            self._clip(self._due, *clip)
 
     def _judge_residuals(self):
         """The residual watch judges the pending step's samples: the squared norms of each
@@ -567,9 +615,13 @@ class DevicePath:
                 sum(self.routes.candidates), self.routes.warmup_steps)
         else:
             kind = "%d compressed" % sum(b.compressed for b in self.buckets)
-        return ("data path: device: glo_buf, the optimizer's state and the residuals stay on "
-                "%s, %d buckets (%s) summed over %s%s" % (
-                    self.buckets[0].glo.device, len(self.buckets), kind,
+        where = ("glo_buf, the optimizer's state and the residuals stay on %s"
+                 % self.buckets[0].device if self.state_on == "device" else
+                 "glo_buf and the optimizer's state offloaded to %shost memory, staged on %s "
+                 "for each bucket's pass; the residuals stay there"
+                 % ("pinned " if self._copies.cuda else "", self.buckets[0].device))
+        return ("data path: device: %s, %d buckets (%s) summed over %s%s" % (
+                    where, len(self.buckets), kind,
                     "NCCL" if self._nccl else "Gloo" if self.group is not None else "no group",
                     "" if self.overlap != "off" else ", started in step()"))
 
@@ -597,13 +649,16 @@ class DevicePath:
 
     def flush(self):
         """Every pending global update done and the parameters given glo_buf."""
-        self.finish_pending()
+        self.wait()
         for b in self.buckets:
             b.write_back()
 
     def wait(self):
-        """The pending global updates done, the parameters left as they are (state_dict)."""
+        """The pending global updates done, the parameters left as they are (state_dict);
+        offloaded state: its copies into host memory done."""
         self.finish_pending()
+        if self._copies is not None:
+            self._copies.settle()
 
     def stats(self):
         """What stats() reports of the device path (the codec's work is queued on the
@@ -659,16 +714,20 @@ class DevicePath:
             self.routes.start = int(state["step"])
         with torch.no_grad():
             for b, s in zip(self.buckets, buckets):
+                if b.home is not None:
+                    b.home.discard()  # a stage-in queued before the load reads old values
                 b.glo.copy_(s["glo_buf"])
                 if b.codec is not None:
                     if s["residual"] is None:  # flushed for good (a full-precision route)
                         b.residual = None
                     else:
                         if b.residual is None:
-                            b.residual = torch.zeros_like(b.glo)
+                            b.residual = torch.zeros(b.numel, device=b.device)
                         b.residual.copy_(s["residual"])
                     b.codec.load_state_dict(from_tensors(s["codec"]))
                 b.shadow.load_state_dict(s["optimizer"])
+                if b.home is not None:
+                    b.home.adopt_state()  # (torch loads it into pageable memory)
                 b.step = None
                 b.work = None
                 b.timing = None
@@ -677,6 +736,9 @@ class DevicePath:
             self._settle()
         self.step_count = state["step"]
         self._tail_work = self._tail_event = self._pending = self._flags = None
+        self._due = []
+        if self._copies is not None:
+            self.buckets[0].home.fetch()
 
     def close(self):
         """Wait for the sums in flight (a collective left running would outlive the group)

@@ -8,8 +8,10 @@ keeps Q_sum as the next step's Q (a column that sums to zeros drawn again from t
 seed, as the first Q is). Everything but the two matrix products is bitwise the host
 codec's, on the CPU and on CUDA (tests/test_torch_lowrank.py gives both the same
 products); the products are the device's BLAS, so a matrix is close to the host codec's,
-not bitwise, and every rank of a job computes the same. Nothing here reads the device from the host: a NaN/Inf in M, in
-the summed P or in Q_j raises the bucket's flag, which the device path reads later.
+not bitwise, and every rank of a job computes the same. Nothing here reads the device
+from the host: a NaN/Inf in M, in the summed P or in Q_j raises the bucket's flag, which
+the device path reads later. A matrix costs about r^2 small kernels (Gram-Schmidt's
+ordered sums, one column after another), not measured on a GPU yet.
 """
 import torch
 

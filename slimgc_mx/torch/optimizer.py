@@ -124,13 +124,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     device, device_path.py), 'host' (the engine's pipeline over host memory), or 'auto'
     (the device path for a CUDA model whose settings it serves, else the host path).
     bucket_cap_mb: the device path's bucket size (DDP's meaning).
+    state_on: where the device path keeps glo_buf and the optimizer's state: 'device'
+    (the default: fastest) or 'host' (offloaded to pinned host memory and staged on the
+    device for each bucket's pass: less device memory, two copies a step); the host path
+    keeps them on the host.
     overlap: the device path starts each bucket from backward, as DDP does, unless the
     first step shows a gradient changing between backward and step() (False: in step()).
     """
 
     def __init__(self, optimizer, model, compression="2bit", broadcast_buffers=True,
                  data_path="auto", bucket_cap_mb=device_path.BUCKET_CAP_MB, overlap=True,
-                 **options):
+                 state_on=None, **options):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got %s"
                             % type(optimizer).__name__)
@@ -146,6 +150,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 and 0 < bucket_cap_mb < float("inf")):
             raise ValueError("bucket_cap_mb must be a positive number of MiB (DDP's meaning; "
                              "default %g), got %r" % (device_path.BUCKET_CAP_MB, bucket_cap_mb))
+        if state_on is not None and state_on not in device_path.STATE_ON:
+            raise ValueError("state_on must be one of %s (where the device path keeps glo_buf "
+                             "and the optimizer's state), got %r"
+                             % (", ".join(repr(x) for x in device_path.STATE_ON), state_on))
         if not isinstance(overlap, bool):
             raise TypeError("overlap must be True (buckets start during backward) or False "
                             "(in step()), got %r" % (overlap,))
@@ -178,7 +186,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._agg = self._device = None
         if self.data_path == "device":
             self._device_path(optimizer, named, group_of, config, transport, distributed, cuda,
-                              bucket_cap_mb, overlap)
+                              bucket_cap_mb, overlap, state_on or "device")
+        elif state_on == "device":
+            raise ValueError("state_on='device' is the device path's, and this optimizer runs "
+                             "on the host path (data_path=%r, a %s model), which keeps glo_buf "
+                             "and the optimizer's state on the host: drop state_on, or give "
+                             "data_path='device'" % (data_path, "CUDA" if cuda else "CPU"))
         else:
             self._host_path(optimizer, named, group_of, config, transport, cuda)
         if cuda and transport.rank == 0:
@@ -218,7 +231,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                     self._agg.backup.glo_buffer(name))
 
     def _device_path(self, optimizer, named, group_of, config, transport, distributed, cuda,
-                     cap_mb, overlap):
+                     cap_mb, overlap, state_on):
         """device_path.DevicePath over these parameters, once the ranks agree on it."""
         momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
         check_momentum(device_path.make_codec(config), momentum, "compression=%r, momentum=%r")
@@ -226,11 +239,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             agreement.check(transport, dict(
                 config.agreement_fields(), num_workers=transport.num_workers,
                 data_path="device", bucket_cap_mb=float(cap_mb), overlap=bool(overlap),
+                state_on=state_on,
                 keys=[(n, tuple(p.shape)) for n, p in named],
                 optimizer=(type(optimizer).__name__, repr(StepSettings.of(optimizer)))))
         group = device_path.lane_group(transport.group, cuda) if distributed else None
         self._device = device_path.DevicePath(optimizer, named, group_of, config, transport,
-                                              group, cap_mb)
+                                              group, cap_mb, state_on)
         if overlap:
             self._device.hook([p for _, p in named])
         if transport.num_workers > 1:

@@ -11,6 +11,11 @@ and itself resumed; each rank records what it found.
                                   2bit's encode and decode, 4bit's decode and powersgd's
                                   outer products run piece by piece; Adam, against the
                                   host path
+    device_path.py OUT state_on   glo_buf and the optimizer's state offloaded (state_on=
+                                  'host') against kept on the device: SGD/Adam x backup
+                                  on/off x none/2bit/powersgd, a checkpoint through
+                                  torch.save; what each step stages, and where the state
+                                  is between passes
     device_path.py OUT nan        rank 1's input, so its gradient, is NaN at step 3: the error
     device_path.py OUT settings   rank 1 changes its lr at step 4: the error
     device_path.py OUT changed    rank 1 scales its gradient after backward at step 3, when
@@ -200,6 +205,54 @@ elif mode == "pieces":
             "host": digest(host), "device": digest(device),
             "compressed_buckets": stats["compressed_buckets"]}
     record(out, "pieces", rank, **result)
+
+elif mode == "state_on":
+    def offload_run(state_on, optimizer, backup, compression, steps=8, clip=None):
+        net = model()
+        opt = slimgc.DistributedOptimizer(make_opt(net, optimizer), net, compression=compression,
+                                          backup=backup, data_path="device",
+                                          comm_threshold=1024, bucket_cap_mb=0.01,
+                                          state_on=state_on)
+        path, moved = opt._device, []
+        for step in range(steps):
+            before = (path.counts.h2d_bytes, path.counts.d2h_bytes)
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            F.cross_entropy(net(x), y).backward()
+            if clip is not None:  # every mean decoded first, then each bucket's update staged
+                slimgc.clip_grad_norm_(opt, clip)
+            opt.step()
+            moved.append([path.counts.h2d_bytes - before[0], path.counts.d2h_bytes - before[1]])
+            if step == 4:  # through torch.save and torch.load(weights_only=True)
+                saved = io.BytesIO()
+                torch.save(opt.state_dict(), saved)
+                saved.seek(0)
+                opt.load_state_dict(torch.load(saved, weights_only=True))
+        homes = [b.home for b in path.buckets if b.home is not None]
+        # between passes: nothing staged, the state in the home's own (host) tensors
+        at_home = all(h.staged is None and all(
+            h.bucket.shadow.state[h.bucket.glo_views[i]][k] is t for (i, k), t in h.state.items())
+            for h in homes)
+        state_bytes = sum(t.numel() * t.element_size() for h in homes for t in h.state.values())
+        glo_bytes = sum(h.glo.numel() * h.glo.element_size() for h in homes)
+        opt.flush()
+        stats = opt.stats()
+        opt.close()
+        return {"weights": digest(weights(net).clone()), "moved": moved,
+                "glo_bytes": glo_bytes, "state_bytes": state_bytes, "homes": len(homes),
+                "at_home": at_home, "buckets": stats["buckets"]}
+    result = {}
+    for optimizer in ("sgd", "adam"):
+        for backup in (True, False):
+            for compression in ("none", "2bit", "powersgd"):
+                case = "%s-%s-%s" % (optimizer, backup, compression)
+                result[case] = {"device": offload_run("device", optimizer, backup, compression),
+                                "host": offload_run("host", optimizer, backup, compression)}
+    for backup in (True, False):  # slimgc.clip_grad_norm_: the norm over every bucket's mean
+        result["sgd-%s-2bit-clip" % backup] = {
+            "device": offload_run("device", "sgd", backup, "2bit", clip=0.05),
+            "host": offload_run("host", "sgd", backup, "2bit", clip=0.05)}
+    record(out, "state_on", rank, **result)
 
 elif mode == "nan":
     def poison(step, x):
