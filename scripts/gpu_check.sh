@@ -50,7 +50,8 @@ if want tests; then
     log "CUDA tests"
     timeout "$(limit 100)" "$PY" -m pytest -q -rs -n 6 -p no:cacheprovider \
         tests/test_torch_copies.py tests/test_torch_device_codec.py \
-        tests/test_torch_device_path.py tests/test_torch_api_floor.py >"$WORK/tests.log" 2>&1
+        tests/test_torch_device_path.py tests/test_torch_api_floor.py \
+        tests/test_torch_lowrank.py >"$WORK/tests.log" 2>&1
     log "tests: $(tail -n 1 "$WORK/tests.log")"
     pack
 fi

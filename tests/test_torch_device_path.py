@@ -576,7 +576,8 @@ def test_one_process_without_torch_distributed_matches_plain_torch():
     assert torch.equal(train(True), train(False))
 
 
-def _cuda_job(device, compression, backup, wrap=True, optimizer="sgd", data_path="auto"):
+def _cuda_job(device, compression, backup, wrap=True, optimizer="sgd", data_path="auto",
+              state_on=None):
     """Five steps of given random gradients (not computed from the weights, so a rounding
     apart in the update cannot move a level); the weights and the last step's copies."""
     import slimgc_mx.torch as slimgc
@@ -585,7 +586,8 @@ def _cuda_job(device, compression, backup, wrap=True, optimizer="sgd", data_path
     inner = (torch.optim.Adam(net.parameters(), lr=0.01) if optimizer == "adam" else
              torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
     opt = slimgc.DistributedOptimizer(inner, net, compression=compression, backup=backup,
-                                      comm_threshold=0, data_path=data_path) if wrap else inner
+                                      comm_threshold=0, data_path=data_path,
+                                      state_on=state_on) if wrap else inner
     for step in range(5):
         gen = torch.Generator().manual_seed(step)
         for p in net.parameters():
@@ -618,6 +620,26 @@ def test_a_cuda_model_takes_the_device_path_without_copies(compression, backup):
         plain, _, _ = _cuda_job("cuda", compression, backup, wrap=False)
         for a, b in zip(plain, cuda):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("backup", [True, False])
+def test_offloaded_state_moves_by_copies_that_block_nothing(device, optimizer, backup):
+    """state_on='host': the weights of state_on='device' on the same device, bit for bit; a
+    steady step stages every bucket's glo_buf and state in and out once (pinned on a GPU:
+    no pageable byte) and synchronises the host at most once (the tail)."""
+    on, _, _ = _cuda_job(device, "2bit", backup, optimizer=optimizer, data_path="device",
+                         state_on="device")
+    off, counts, _ = _cuda_job(device, "2bit", backup, optimizer=optimizer,
+                               data_path="device", state_on="host")
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    numel = 64 * 256 + 256 + 256 * 8 + 8
+    whole = 4 * numel * (1 + (2 if optimizer == "adam" else 1))  # glo_buf and its state
+    tail = 1024  # (the tail's bytes, on a GPU)
+    assert whole <= counts["h2d_bytes"] < whole + tail, counts
+    assert whole <= counts["d2h_bytes"] < whole + tail, counts
+    assert counts["pageable_bytes"] == 0 and counts["host_syncs"] <= 1, counts
 
 
 def test_a_grad_scaler_keeps_buckets_out_of_backward():
