@@ -94,12 +94,13 @@ def test_a_job_run_piece_by_piece_gives_the_host_paths_weights(tmp_path):
 
 @pytest.mark.slow
 def test_offloaded_state_gives_the_same_weights_and_moves_it_each_step(tmp_path):
-    """state_on='host': glo_buf and the optimizer's state in host memory, staged for each
-    bucket's pass: the weights of state_on='device' bit for bit (SGD, Adam; backup on and
-    off; none, 2bit, powersgd; a checkpoint through torch.save at step 4; 2bit clipped by
-    slimgc.clip_grad_norm_, whose norm needs every bucket's mean first); each steady step
-    brings every bucket's glo_buf and state in once and takes it out once; between passes
-    nothing is staged and the optimizer holds the host tensors."""
+    """state_on='host': glo_buf, the optimizer's state and the residuals in host memory,
+    staged for each bucket's pass: the weights of state_on='device' bit for bit (SGD, Adam;
+    backup on and off; none, 2bit, powersgd; a checkpoint through torch.save at step 4;
+    2bit clipped by slimgc.clip_grad_norm_, whose norm needs every bucket's mean first);
+    each steady step brings every bucket's glo_buf, state and residual in once and takes
+    them out once; between passes nothing is staged, and the optimizer and the bucket hold
+    the host tensors."""
     ranks = job(tmp_path, "state_on")
     assert ranks[0] == ranks[1]
     r = ranks[0]
@@ -111,7 +112,10 @@ def test_offloaded_state_gives_the_same_weights_and_moves_it_each_step(tmp_path)
         assert off["at_home"], case
         per_element = 2 if case.startswith("adam") else 1  # Adam's moments, SGD's momentum
         assert off["state_bytes"] == per_element * off["glo_bytes"], case
-        whole = off["glo_bytes"] + off["state_bytes"]
+        # the compressed buckets' residuals too (2bit: 1.2 KiB and more, compressed;
+        # powersgd: its one matrix)
+        assert (off["residual_bytes"] > 0) == ("none" not in case), case
+        whole = off["glo_bytes"] + off["state_bytes"] + off["residual_bytes"]
         for step in (2, 3, 6, 7):  # steady steps (not the first, nor around the load)
             assert off["moved"][step] == [whole, whole], (case, step, off["moved"])
         assert all(m == [0, 0] for m in on["moved"]), case  # kept on the device: no copy
@@ -627,15 +631,15 @@ def test_a_cuda_model_takes_the_device_path_without_copies(compression, backup):
 @pytest.mark.parametrize("backup", [True, False])
 def test_offloaded_state_moves_by_copies_that_block_nothing(device, optimizer, backup):
     """state_on='host': the weights of state_on='device' on the same device, bit for bit; a
-    steady step stages every bucket's glo_buf and state in and out once (pinned on a GPU:
-    no pageable byte) and synchronises the host at most once (the tail)."""
+    steady step stages every bucket's glo_buf, state and residual in and out once (pinned on
+    a GPU: no pageable byte) and synchronises the host at most once (the tail)."""
     on, _, _ = _cuda_job(device, "2bit", backup, optimizer=optimizer, data_path="device",
                          state_on="device")
     off, counts, _ = _cuda_job(device, "2bit", backup, optimizer=optimizer,
                                data_path="device", state_on="host")
     assert all(torch.equal(a, b) for a, b in zip(on, off))
     numel = 64 * 256 + 256 + 256 * 8 + 8
-    whole = 4 * numel * (1 + (2 if optimizer == "adam" else 1))  # glo_buf and its state
+    whole = 4 * numel * (2 + (2 if optimizer == "adam" else 1))  # glo_buf, state, residual
     tail = 1024  # (the tail's bytes, on a GPU)
     assert whole <= counts["h2d_bytes"] < whole + tail, counts
     assert whole <= counts["d2h_bytes"] < whole + tail, counts

@@ -45,8 +45,9 @@ CONFIGS = OrderedDict([
      "(overlap=False), not during backward"),
     ("slimgc-device-cttab", "slimgc-device with the CTTab choosing each bucket's route "
      "(comm_threshold='auto'; its warm-up is the run's warm-up)"),
-    ("slimgc-device-offload", "slimgc-device with glo_buf and the optimizer's state "
-     "offloaded to pinned host memory, staged for each bucket's pass (state_on='host')"),
+    ("slimgc-device-offload", "slimgc-device with glo_buf, the optimizer's state and the "
+     "residuals offloaded to pinned host memory, staged for each bucket's pass "
+     "(state_on='host')"),
     ("slimgc-device-powersgd", "SlimGC powersgd, rank 4, on the device path, backup (every "
      "matrix compressed; against ddp-powersgd, PyTorch's hook of the same rank)"),
     ("slimgc-offload", "SlimGC 2bit, every tensor compressed on the CPU (offload), backup"),

@@ -9,7 +9,7 @@ from ..codecs import NonFiniteGradientError
 from ..engine import residual_watch
 from .device import _DTYPES, TorchDeviceCodec
 from .lowrank import TorchPowerSGD
-from .state_home import StateHome
+from .state_home import BOTH, StateHome
 from .framework import _constructor_args
 from .routes import COMPRESSED, FULL, HOST
 
@@ -108,14 +108,14 @@ class Bucket:
         return out
 
     def offload(self, copies):
-        """glo_buf and the global optimizer's state kept in host memory from now on, staged
-        on the device for the passes that read them (stage(), unstage())."""
+        """glo_buf, the global optimizer's state and the residual kept in host memory from
+        now on, staged on the device for the passes that read them (stage(), unstage())."""
         self.home = StateHome(self, copies)
 
-    def stage(self):
-        """glo_buf and the state on the device for a pass (offloaded: swapped in); True
-        where this call staged them."""
-        return self.home.use() if self.home is not None else False
+    def stage(self, parts=BOTH):
+        """`parts` (state_home's STATE, RESIDUAL) on the device for a pass (offloaded:
+        swapped in); True where this call staged them."""
+        return self.home.use(parts) if self.home is not None else False
 
     def unstage(self):
         """The stage-out queued, host memory back in place (offloaded); else nothing."""

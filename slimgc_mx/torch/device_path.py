@@ -5,11 +5,11 @@ weights and optimizer state back; here nothing leaves the device. Parameters are
 buckets (DDP's bucket_cap_mb, in reverse order, the order backward produces them), each
 keeping on the device its glo_buf, the global optimizer's state (an instance of the user's
 optimizer over glo_buf's views), its error-feedback residual and its lanes; with
-state_on='host' its glo_buf and that state live in host memory instead, staged on the
-device for the pass that reads them (state_home.py), and each bucket's deferred global
-update (1) runs in its own pass rather than all in the step's first. One pass per
-bucket, started from backward once its last gradient is accumulated (hook(); in step()
-where the first step shows a gradient changing after backward):
+state_on='host' its glo_buf, that state and the residual live in host memory instead,
+staged on the device for the pass that reads them (state_home.py), and each bucket's
+deferred global update (1) runs in its own pass rather than all in the step's first. One
+pass per bucket, started from backward once its last gradient is accumulated (hook(); in
+step() where the first step shows a gradient changing after backward):
   1. backup on: the previous step's global update, deferred until now: the sum waited for
      on the device (no host wait where the group is NCCL), decoded, the optimizer's rule
      into glo_buf;
@@ -55,7 +55,7 @@ from .device import TorchDeviceCodec
 from .lowrank import TorchPowerSGD
 from .routes import BucketRoutes, agree
 from .state import from_tensors, to_tensors
-from .state_home import StateCopies
+from .state_home import BOTH, RESIDUAL, STATE, StateCopies
 
 #: DDP's default bucket size.
 BUCKET_CAP_MB = 25.0
@@ -209,11 +209,11 @@ class DevicePath:
                 b.write_back()
         self._due = []  # buckets whose global update of the pending step is still to run
         self._copies = None  # state_home.StateCopies where the state is offloaded
-        if state_on == "host":  # glo_buf and the optimizer's state to host memory
+        if state_on == "host":  # glo_buf, the optimizer's state, the residuals to the host
             self._copies = StateCopies(device, self.counts)
             for b in self.buckets:
                 b.offload(self._copies)
-            self.buckets[0].home.fetch()  # the first pass's stage-in
+            self._fetch_first()
 
     def _sum(self, tensor, broadcast=False):
         """Start the sum of `tensor` over the ranks (rank 0's value: `broadcast`); its Work,
@@ -309,14 +309,22 @@ class DevicePath:
             self._step_open = True
         b = self.buckets[j]
         b.settings(self.optimizer.param_groups[b.spec.group])
+        parts = BOTH if backup else frozenset((RESIDUAL,))  # (offloaded: what this pass reads)
+        staged = b.stage(parts)
+        if offloaded and j + 1 < len(self.buckets):
+            self.buckets[j + 1].home.fetch(parts)  # its stage-in beside this pass
         if backup:
-            staged = b.stage()
-            if j + 1 < len(self.buckets) and offloaded:
-                self.buckets[j + 1].home.fetch()  # its stage-in beside this pass
             self._apply(b)  # (offloaded: its due update; else done above)
             b.local_step(grads if local_scale is None else [g * local_scale for g in grads])
+        try:
+            self._encode_and_sum(j, b, grads)
+        finally:
             if staged:
                 b.unstage()
+
+    def _encode_and_sum(self, j, b, grads):
+        """Bucket j's encode (error feedback into its residual) and its lanes' sum started;
+        in the warm-up, timed."""
         timed = self.routes.warming and b.codec is not None
         if timed:  # the warm-up: this step's route, timed from the encode to the decode
             b.route = self.routes.route(j, self.step_count)
@@ -392,7 +400,7 @@ class DevicePath:
         if not backup:
             self.finish_pending(write_back=True)
         if self._copies is not None:  # the next step's first pass: its stage-in now
-            self.buckets[0].home.fetch()
+            self._fetch_first()
         if self.residual_growth is not None:  # on the training thread, once per process
             residual_watch.warn(self.residual_growth)
 
@@ -451,8 +459,8 @@ class DevicePath:
         if apply:
             due = list(self._due)
             for k, b in enumerate(due):
-                if k + 1 < len(due) and due[k + 1].home is not None:
-                    due[k + 1].home.fetch()  # the next one's stage-in beside this one's update
+                if k + 1 < len(due) and due[k + 1].home is not None:  # the next one's
+                    due[k + 1].home.fetch(frozenset((STATE,)))  # stage-in beside this update
                 self._apply(b, write_back)
 
     def _apply(self, b, write_back=False):
@@ -463,7 +471,7 @@ class DevicePath:
         self._due.remove(b)
         if b.mean is None:
             self._decode(b)
-        staged = b.stage()
+        staged = b.stage(frozenset((STATE,)))  # (within a pass with backup: staged already)
         b.global_step()
         b.step = None
         if write_back:
@@ -617,8 +625,8 @@ class DevicePath:
             kind = "%d compressed" % sum(b.compressed for b in self.buckets)
         where = ("glo_buf, the optimizer's state and the residuals stay on %s"
                  % self.buckets[0].device if self.state_on == "device" else
-                 "glo_buf and the optimizer's state offloaded to %shost memory, staged on %s "
-                 "for each bucket's pass; the residuals stay there"
+                 "glo_buf, the optimizer's state and the residuals offloaded to %shost "
+                 "memory, staged on %s for each bucket's pass"
                  % ("pinned " if self._copies.cuda else "", self.buckets[0].device))
         return ("data path: device: %s, %d buckets (%s) summed over %s%s" % (
                     where, len(self.buckets), kind,
@@ -721,7 +729,7 @@ class DevicePath:
                     if s["residual"] is None:  # flushed for good (a full-precision route)
                         b.residual = None
                     else:
-                        if b.residual is None:
+                        if b.residual is None:  # (offloaded: adopt_state moves it home)
                             b.residual = torch.zeros(b.numel, device=b.device)
                         b.residual.copy_(s["residual"])
                     b.codec.load_state_dict(from_tensors(s["codec"]))
@@ -738,7 +746,11 @@ class DevicePath:
         self._tail_work = self._tail_event = self._pending = self._flags = None
         self._due = []
         if self._copies is not None:
-            self.buckets[0].home.fetch()
+            self._fetch_first()
+
+    def _fetch_first(self):
+        """Offloaded: queue the stage-in of the first bucket's next pass."""
+        self.buckets[0].home.fetch(BOTH if self.config.backup else frozenset((RESIDUAL,)))
 
     def close(self):
         """Wait for the sums in flight (a collective left running would outlive the group)

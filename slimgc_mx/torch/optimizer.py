@@ -124,10 +124,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     device, device_path.py), 'host' (the engine's pipeline over host memory), or 'auto'
     (the device path for a CUDA model whose settings it serves, else the host path).
     bucket_cap_mb: the device path's bucket size (DDP's meaning).
-    state_on: where the device path keeps glo_buf and the optimizer's state: 'device'
-    (the default: fastest) or 'host' (offloaded to pinned host memory and staged on the
-    device for each bucket's pass: less device memory, two copies a step); the host path
-    keeps them on the host.
+    state_on: where the device path keeps glo_buf, the optimizer's state and the residuals:
+    'device' (the default: fastest) or 'host' (offloaded to pinned host memory and staged
+    on the device for each bucket's pass: less device memory, two copies a step); the host
+    path keeps them on the host.
     overlap: the device path starts each bucket from backward, as DDP does, unless the
     first step shows a gradient changing between backward and step() (False: in step()).
     """

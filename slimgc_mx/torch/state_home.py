@@ -1,6 +1,7 @@
-"""Where a device-path bucket's glo_buf and global optimizer state live between its passes
-(state_on): on the device, or offloaded to host memory (pinned on a GPU) and staged on the
-device for the pass that reads them (Fig. 14's saving, at the price of two copies a step).
+"""Where a device-path bucket's glo_buf, global optimizer state and error-feedback residual
+live between its passes (state_on): on the device, or offloaded to host memory (pinned on a
+GPU) and staged on the device for the pass that reads them (Fig. 14's saving, at the price
+of two copies a step).
 
 A staged bucket's glo_buf views and state tensors are swapped in place (`.data`, and the
 optimizer's state dict), so the user's optimizer steps on the device without knowing; the
@@ -72,11 +73,18 @@ class StateCopies:
             self.counts.host_syncs += 1
 
 
+#: What a pass stages: glo_buf with the optimizer's state (the updates), the residual (the
+#: encode); with backup one pass does all three, without it the encode and the update are
+#: two passes of a step.
+STATE, RESIDUAL = "state", "residual"
+BOTH = frozenset((STATE, RESIDUAL))
+
+
 class StateHome:
-    """One bucket's glo_buf (flat, and the views its global optimizer steps) and that
-    optimizer's per-element state, kept in host memory and staged on the device: fetch()
-    queues the stage-in, use() swaps the device copies in, put_back() queues the stage-out
-    and swaps the host memory back."""
+    """One bucket's glo_buf (flat, and the views its global optimizer steps), that
+    optimizer's per-element state and the residual, kept in host memory and staged on the
+    device: fetch() queues the stage-in of some parts, use() swaps the device copies in,
+    put_back() queues the stage-out and swaps the host memory back."""
 
     def __init__(self, bucket, copies):
         self.bucket = bucket
@@ -91,13 +99,21 @@ class StateHome:
         for w, hv in zip(b.glo_views, self.views):
             w.data = hv  # the optimizer's parameters now read host memory
         b.glo = host
+        self.residual = None  # the residual's host memory (None: the bucket has none)
         self.adopt_state()
-        self._fetched = None  # (device flat, {(i, key): device tensor}) queued
-        self.staged = None  # the same, swapped in
+        self._fetched = None  # (parts, device flat, {(i, key): device tensor}, residual)
+        self.staged = None  # (parts, device flat, device residual) swapped in
 
     def adopt_state(self):
-        """The optimizer's per-element state into host memory of its own (a checkpoint's,
-        loaded pageable, or a state made while staged)."""
+        """The optimizer's per-element state and the residual into host memory of their own
+        (at the start, or a checkpoint's, loaded pageable)."""
+        b = self.bucket
+        if b.residual is None:
+            self.residual = None
+        elif b.residual is not self.residual:
+            self.residual = self.copies.host_empty(b.numel)
+            self.residual.copy_(b.residual)
+            b.residual = self.residual
         shadow = self.bucket.shadow
         for i, w in enumerate(self.bucket.glo_views):
             for k, v in shadow.state.get(w, {}).items():
@@ -106,43 +122,60 @@ class StateHome:
                     host.copy_(v)
                     self.state[(i, k)] = shadow.state[w][k] = host
 
-    def fetch(self):
-        """Queue the stage-in (no wait), unless queued or staged already."""
-        if self._fetched is not None or self.staged is not None:
+    def fetch(self, parts=BOTH):
+        """Queue the stage-in of `parts` (no wait), unless queued or staged already."""
+        if self.staged is not None or (self._fetched is not None and
+                                       self._fetched[0] == parts):
             return
-        flat = self.copies.to_device(self.glo)
-        state = {key: self.copies.to_device(host) for key, host in self.state.items()}
-        self._fetched = (flat, state)
+        flat, state, residual = None, {}, None
+        if STATE in parts:
+            flat = self.copies.to_device(self.glo)
+            state = {key: self.copies.to_device(host) for key, host in self.state.items()}
+        if RESIDUAL in parts and self.residual is not None:
+            residual = self.copies.to_device(self.residual)
+        self._fetched = (parts, flat, state, residual)
 
     def discard(self):
         """Forget a queued stage-in (its host memory is about to be overwritten)."""
         self._fetched = None
 
-    def use(self):
-        """The device copies swapped in (the compute stream waits for them); True where this
-        call staged the bucket, False where it was staged already."""
+    def use(self, parts=BOTH):
+        """The device copies of `parts` swapped in (the compute stream waits for them); True
+        where this call staged the bucket, False where it was staged already."""
         if self.staged is not None:
             return False
-        self.fetch()
-        flat, state = self._fetched
+        self.fetch(parts)
+        parts, flat, state, residual = self._fetched
         self._fetched = None
-        self.copies.ready([flat] + list(state.values()))
+        self.copies.ready([t for t in [flat, residual] + list(state.values())
+                           if t is not None])
         b = self.bucket
-        for w, dv in zip(b.glo_views, b._views(flat)):
-            w.data = dv
-        for (i, k), dev in state.items():
-            b.shadow.state[b.glo_views[i]][k] = dev
-        self.staged = (flat, state)
+        if flat is not None:
+            for w, dv in zip(b.glo_views, b._views(flat)):
+                w.data = dv
+            for (i, k), dev in state.items():
+                b.shadow.state[b.glo_views[i]][k] = dev
+        if residual is not None:
+            b.residual = residual
+        self.staged = (parts, flat, residual)
         return True
 
     def put_back(self):
-        """Queue the stage-out of glo_buf and the state (a state the step made first too) and
+        """Queue the stage-out of what use() staged (a state the step made first too) and
         swap the host memory back in."""
         if self.staged is None:
             return
-        flat, _ = self.staged
+        _, flat, residual = self.staged
         self.staged = None
         b = self.bucket
+        if residual is not None:
+            if b.residual is None:  # flushed for good by the encode (a full-precision route)
+                self.residual = None
+            else:
+                self.copies.to_host(b.residual, self.residual)
+                b.residual = self.residual
+        if flat is None:
+            return
         self.copies.to_host(flat, self.glo)
         for i, (w, hv) in enumerate(zip(b.glo_views, self.views)):
             entry = b.shadow.state.get(w, {})

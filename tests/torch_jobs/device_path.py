@@ -11,11 +11,11 @@ and itself resumed; each rank records what it found.
                                   2bit's encode and decode, 4bit's decode and powersgd's
                                   outer products run piece by piece; Adam, against the
                                   host path
-    device_path.py OUT state_on   glo_buf and the optimizer's state offloaded (state_on=
-                                  'host') against kept on the device: SGD/Adam x backup
-                                  on/off x none/2bit/powersgd, a checkpoint through
-                                  torch.save; what each step stages, and where the state
-                                  is between passes
+    device_path.py OUT state_on   glo_buf, the optimizer's state and the residuals
+                                  offloaded (state_on='host') against kept on the device:
+                                  SGD/Adam x backup on/off x none/2bit/powersgd, clipped,
+                                  a checkpoint through torch.save; what each step stages,
+                                  and where the state is between passes
     device_path.py OUT nan        rank 1's input, so its gradient, is NaN at step 3: the error
     device_path.py OUT settings   rank 1 changes its lr at step 4: the error
     device_path.py OUT changed    rank 1 scales its gradient after backward at step 3, when
@@ -234,12 +234,16 @@ elif mode == "state_on":
             h.bucket.shadow.state[h.bucket.glo_views[i]][k] is t for (i, k), t in h.state.items())
             for h in homes)
         state_bytes = sum(t.numel() * t.element_size() for h in homes for t in h.state.values())
+        residual_bytes = sum(h.residual.numel() * h.residual.element_size() for h in homes
+                             if h.residual is not None)
+        at_home = at_home and all(h.bucket.residual is h.residual for h in homes)
         glo_bytes = sum(h.glo.numel() * h.glo.element_size() for h in homes)
         opt.flush()
         stats = opt.stats()
         opt.close()
         return {"weights": digest(weights(net).clone()), "moved": moved,
                 "glo_bytes": glo_bytes, "state_bytes": state_bytes, "homes": len(homes),
+                "residual_bytes": residual_bytes,
                 "at_home": at_home, "buckets": stats["buckets"]}
     result = {}
     for optimizer in ("sgd", "adam"):
