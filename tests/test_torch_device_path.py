@@ -97,17 +97,21 @@ def test_offloaded_state_gives_the_same_weights_and_moves_it_each_step(tmp_path)
     """state_on='host': glo_buf, the optimizer's state and the residuals in host memory,
     staged for each bucket's pass: the weights of state_on='device' bit for bit (SGD, Adam;
     backup on and off; none, 2bit, powersgd; a checkpoint through torch.save at step 4;
-    2bit clipped by slimgc.clip_grad_norm_, whose norm needs every bucket's mean first);
+    2bit clipped by slimgc.clip_grad_norm_, whose norm needs every bucket's mean first;
+    2bit under the CTTab, whose decision reads the last warm-up step's decodes);
     each steady step brings every bucket's glo_buf, state and residual in once and takes
     them out once; between passes nothing is staged, and the optimizer and the bucket hold
     the host tensors."""
     ranks = job(tmp_path, "state_on")
     assert ranks[0] == ranks[1]
     r = ranks[0]
-    assert len(r) == 14 and "sgd-True-2bit-clip" in r and "sgd-False-2bit-clip" in r
+    assert len(r) == 16 and "sgd-True-2bit-clip" in r and "sgd-False-2bit-cttab" in r
     for case, got in r.items():
         on, off = got["device"], got["host"]
         assert on["weights"] == off["weights"], case
+        assert on["routes"] == off["routes"], case
+        if case.endswith("cttab"):  # decided by the injected timings, the last step's too
+            assert set(off["routes"]) == {"compressed on the host"}, off
         assert on["homes"] == 0 and off["homes"] == off["buckets"] > 1, case
         assert off["at_home"], case
         per_element = 2 if case.startswith("adam") else 1  # Adam's moments, SGD's momentum
@@ -116,7 +120,9 @@ def test_offloaded_state_gives_the_same_weights_and_moves_it_each_step(tmp_path)
         # powersgd: its one matrix)
         assert (off["residual_bytes"] > 0) == ("none" not in case), case
         whole = off["glo_bytes"] + off["state_bytes"] + off["residual_bytes"]
-        for step in (2, 3, 6, 7):  # steady steps (not the first, nor around the load)
+        # steady steps: not the first, nor around the load, nor the CTTab's decision (step
+        # 3: every bucket's update staged before it, then each pass)
+        for step in (2, 6, 7) if case.endswith("cttab") else (2, 3, 6, 7):
             assert off["moved"][step] == [whole, whole], (case, step, off["moved"])
         assert all(m == [0, 0] for m in on["moved"]), case  # kept on the device: no copy
 

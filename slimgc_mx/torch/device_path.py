@@ -301,9 +301,11 @@ class DevicePath:
         offloaded = self.state_on == "host"
         if not self._step_open:
             self.raise_error()
-            if backup:  # offloaded: each bucket's update at its own pass, below
-                self.finish_pending(apply=not offloaded)
-            if self.routes.due(self.step_count):
+            due = self.routes.due(self.step_count)
+            if backup:  # offloaded: each bucket's update at its own pass, below, except
+                # before the CTTab's decision, which reads the samples their decodes complete
+                self.finish_pending(apply=not offloaded or due)
+            if due:
                 self._decide()
             self.tail[self._watch_at:].zero_()  # read with the pending step's tail above
             self._step_open = True
