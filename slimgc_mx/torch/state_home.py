@@ -44,12 +44,22 @@ class StateCopies:
             out.copy_(host, non_blocking=True)
         return out
 
-    def ready(self, tensors):
-        """The compute stream waits for the stage-ins queued so far, and `tensors` (made on
-        the copy stream) are kept from reuse until the compute stream is done with them."""
+    def mark(self):
+        """An event after the copies queued so far (GPU; None on the CPU): what a stage-in's
+        reader waits for, rather than every copy queued since (the last bucket's stage-out,
+        the next one's stage-in)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def ready(self, event, tensors):
+        """The compute stream waits for `event` (mark()), and `tensors` (made on the copy
+        stream) are kept from reuse until the compute stream is done with them."""
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.stream)
+            current.wait_event(event)
             for t in tensors:
                 t.record_stream(current)
 
@@ -101,7 +111,8 @@ class StateHome:
         b.glo = host
         self.residual = None  # the residual's host memory (None: the bucket has none)
         self.adopt_state()
-        self._fetched = None  # (parts, device flat, {(i, key): device tensor}, residual)
+        self._fetched = None  # (parts, device flat, {(i, key): device tensor}, residual,
+        #                       the event after their copies)
         self.staged = None  # (parts, device flat, device residual) swapped in
 
     def adopt_state(self):
@@ -133,7 +144,7 @@ class StateHome:
             state = {key: self.copies.to_device(host) for key, host in self.state.items()}
         if RESIDUAL in parts and self.residual is not None:
             residual = self.copies.to_device(self.residual)
-        self._fetched = (parts, flat, state, residual)
+        self._fetched = (parts, flat, state, residual, self.copies.mark())
 
     def discard(self):
         """Forget a queued stage-in (its host memory is about to be overwritten)."""
@@ -145,10 +156,10 @@ class StateHome:
         if self.staged is not None:
             return False
         self.fetch(parts)
-        parts, flat, state, residual = self._fetched
+        parts, flat, state, residual, event = self._fetched
         self._fetched = None
-        self.copies.ready([t for t in [flat, residual] + list(state.values())
-                           if t is not None])
+        self.copies.ready(event, [t for t in [flat, residual] + list(state.values())
+                                  if t is not None])
         b = self.bucket
         if flat is not None:
             for w, dv in zip(b.glo_views, b._views(flat)):
