@@ -97,7 +97,7 @@ class Bucket:
         self.final = self.codec is None  # the route is kept from here on (settle())
         self.timing = None  # the warm-up: (bucket index, route, step, marks) until decoded
         self.mean = None  # the decoded mean gradient, from decode() to global_step()
-        self.work = None  # the lanes' sum in flight
+        self.works = []  # the lanes' sums in flight (several: a large tensor's pieces)
         self.step = None  # the step whose sum the lanes hold (None: nothing pending)
 
     def _views(self, flat):
@@ -168,13 +168,22 @@ class Bucket:
         else:
             self._q_lanes = None
 
-    def encode(self, grads, num_workers, flag, rank=0, counts=None, watch=None):
+    def wait_sums(self):
+        """Wait for the lanes' sums in flight (on NCCL the stream waits, not the host)."""
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        self.works = []
+
+    def encode(self, grads, num_workers, flag, rank=0, counts=None, watch=None,
+               on_piece=None):
         """This rank's gradient, with error feedback, into the lanes of its route (full
         precision: copied in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual)
         is not finite; a gathered codec's values go into slot `rank`. counts: the copy
         accounting (copies.CopyCounts) the host route's copies go to. watch: two float64
         slots that get the squared norms of the gradient and of the residual the last push
-        left, before this encode (the residual watch's sample; compressed routes only)."""
+        left, before this encode (the residual watch's sample; compressed routes only).
+        on_piece(lo, hi): the device codec's, where it encodes a large tensor by pieces."""
         self.sent_route = self.route if self.codec is not None else FULL
         with torch.no_grad():
             if not self.sent_compressed:
@@ -215,7 +224,7 @@ class Bucket:
                 self.codec.encode(flat, self.residual, self.parts()[0], flag)
             else:
                 self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag,
-                                  rank=rank)
+                                  rank=rank, on_piece=on_piece)
 
     def parts(self):
         """The lanes as the exchanges that sum them, in order: powersgd's P and then Q (each

@@ -362,7 +362,7 @@ class TorchDeviceCodec:
 
     # ------------------------------------------------------------ encode
     @torch.no_grad()
-    def encode(self, grad, residual, num_workers, out, flag=None, rank=0):
+    def encode(self, grad, residual, num_workers, out, flag=None, rank=0, on_piece=None):
         """Compensate, quantize, pack into `out` (float64 lanes); residual updated in place.
 
         grad: float32 tensor of any shape; residual: float32 tensor with as many elements on
@@ -371,7 +371,10 @@ class TorchDeviceCodec:
         before touching residual or out; with `flag` (a 0-dim tensor on grad's device) it
         writes there whether grad + residual (or thc's rotation of it) holds NaN/Inf
         instead, without a host synchronisation, and encodes anyway (the device path reads
-        the flag later). rank: this worker's slot of gathered values.
+        the flag later). rank: this worker's slot of gathered values. on_piece(lo, hi):
+        called once the lanes lo..hi of a tensor encoded piece by piece are written (the
+        device path starts their sum while the next piece encodes); never for one encoded
+        whole.
         """
         codec = self.codec
         n_workers = check_num_workers(num_workers)
@@ -403,7 +406,7 @@ class TorchDeviceCodec:
             return out
         pieces = _pieces(codec, size, n_workers, n_lanes, k) if flag is not None else None
         if pieces is not None:
-            return self._encode_pieces(g, r, out, dst, flag, pieces, radix, k)
+            return self._encode_pieces(g, r, out, dst, flag, pieces, radix, k, on_piece)
         c = g + r
         bad = ~torch.isfinite(c).all()
         self.encode_syncs = 0
@@ -444,10 +447,11 @@ class TorchDeviceCodec:
         dst.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
         return out
 
-    def _encode_pieces(self, g, r, out, dst, flag, pieces, radix, k):
+    def _encode_pieces(self, g, r, out, dst, flag, pieces, radix, k, on_piece=None):
         """encode() of a codec that encodes element by element (2bit) with a flag (the
         device path: it encodes anyway), piece by piece: the same lanes and residual, bit
-        for bit, with one piece's temporaries live at a time."""
+        for bit, with one piece's temporaries live at a time; on_piece(lane_lo, lane_hi)
+        after each piece's lanes."""
         codec, device = self.codec, g.device
         ops = TorchOps(self._consts, device, None, k)
         powers, own = self._powers(device, radix, k), self._own(device)
@@ -458,6 +462,8 @@ class TorchDeviceCodec:
             q = codec.device_levels(c, ops)
             dst[lane_lo:lane_hi].copy_(_pack(q, lane_hi - lane_lo, k, powers))
             torch.sub(c, own[q], out=r[lo:hi])
+            if on_piece is not None:
+                on_piece(lane_lo, lane_hi)
         flag.copy_(bad)
         self.encode_syncs = 0
         return out

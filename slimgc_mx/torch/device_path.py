@@ -335,19 +335,23 @@ class DevicePath:
         if b.watch is not None and b.compressed and residual_watch.due(b):
             watch = self.tail[self._watch_at + 2 * j:self._watch_at + 2 * j + 2]
             self._sampling.append((j, b.pushes))
-        b.encode(grads, self.num_workers, self.tail[j], self.rank, self.counts, watch=watch)
-        parts = b.parts()
-        for i, part in enumerate(parts):
-            if i:  # powersgd's Q is made from the summed P (NCCL: the stream waits for it)
-                if b.work is not None:
-                    b.work.wait()
-                b.next_round(i - 1, self.tail[j])
-            b.work = self._sum(part)
-        self.transfers += len(parts)
+        pieces = []  # a large tensor's lanes, summed piece by piece as they are encoded
+        b.encode(grads, self.num_workers, self.tail[j], self.rank, self.counts, watch=watch,
+                 on_piece=None if self._wire is None else (
+                     lambda lo, hi: pieces.append(self._sum(b.lanes[lo:hi]))))
+        if pieces:
+            b.works = pieces
+            self.transfers += len(pieces)
+        else:
+            parts = b.parts()
+            for i, part in enumerate(parts):
+                if i:  # powersgd's Q is made from the summed P (NCCL: the stream waits)
+                    b.wait_sums()
+                    b.next_round(i - 1, self.tail[j])
+                b.works = [self._sum(part)]
+            self.transfers += len(parts)
         if timed:  # the sum waited for (CUDA: the stream waits), in the warm-up only
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
+            b.wait_sums()
             b.timing = (j, b.sent_route, self.step_count, [start, self._mark()])
         b.step = self.step_count
 
@@ -487,9 +491,7 @@ class DevicePath:
         step = self._pending
         self.read_tail()
         for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()  # on NCCL: the stream waits, not the host
-                b.work = None
+            b.wait_sums()  # on NCCL: the stream waits, not the host
         n = len(self.buckets)
         bad = [j for j, f in enumerate(self._flags[:n]) if f != 0]
         self._pending = None
@@ -739,7 +741,7 @@ class DevicePath:
                 if b.home is not None:
                     b.home.adopt_state()  # (torch loads it into pageable memory)
                 b.step = None
-                b.work = None
+                b.works = []
                 b.timing = None
         self._spans = []
         if not self.routes.warming:
@@ -761,9 +763,7 @@ class DevicePath:
             handle.remove()
         self._handles = []
         for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
+            b.wait_sums()
         if self._tail_work is not None:
             self._tail_work.wait()
             self._tail_work = None

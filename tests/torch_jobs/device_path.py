@@ -8,9 +8,9 @@ and itself resumed; each rank records what it found.
                                   SGD/Adam against the host path, its products made by
                                   torch and by NumPy (the host codec's: the rest bitwise)
     device_path.py OUT pieces     pieces of 64 elements (device.PIECE_ELEMENTS, lowrank's):
-                                  2bit's encode and decode, 4bit's decode and powersgd's
-                                  outer products run piece by piece; Adam, against the
-                                  host path
+                                  2bit's encode (each piece's sum started once it is
+                                  encoded) and decode, 4bit's decode and powersgd's outer
+                                  products run piece by piece; Adam, against the host path
     device_path.py OUT state_on   glo_buf, the optimizer's state and the residuals
                                   offloaded (state_on='host') against kept on the device:
                                   SGD/Adam x backup on/off x none/2bit/powersgd, clipped,
@@ -201,9 +201,11 @@ elif mode == "pieces":
         finally:
             device_ops.PIECE_ELEMENTS = lowrank.PIECE_ELEMENTS = 1 << 23
             lowrank.TorchPowerSGD.matmul = staticmethod(torch.matmul)
+        _, whole = train("device", compression, backup, "adam")  # pieces as large as usual
         result["%s-%s" % (compression, backup)] = {
             "host": digest(host), "device": digest(device),
-            "compressed_buckets": stats["compressed_buckets"]}
+            "compressed_buckets": stats["compressed_buckets"],
+            "transfers": stats["transfers"], "whole_transfers": whole["transfers"]}
     record(out, "pieces", rank, **result)
 
 elif mode == "state_on":
