@@ -67,7 +67,7 @@ bench() {  # NAME SECONDS ARGS...: one bench gpu invocation into WORK/NAME
     pack
 }
 
-bench vgg16 260 --model vgg16 --procs 1 --steps 20 --warmup 8 --profile 3 \
+bench vgg16 275 --model vgg16 --procs 1 --steps 20 --warmup 8 --profile 3 \
     --configs no-ddp,ddp,ddp-fp16,ddp-powersgd,ddp-powersgd-buckets,ddp-gpu-1bit,ddp-gpu-2bit,slimgc-device,slimgc-device-nobackup,slimgc-device-nooverlap,slimgc-device-cttab,slimgc-device-offload,slimgc-offload,slimgc-placement
 
 if [ -n "$BASE" ] && want baseline; then
@@ -80,9 +80,9 @@ if [ -n "$BASE" ] && want baseline; then
     pack
 fi
 
-bench p2 130 --model vgg16 --procs 2 --steps 10 --warmup 5 \
+bench p2 145 --model vgg16 --procs 2 --steps 10 --warmup 5 \
     --configs ddp,ddp-powersgd,ddp-gpu-1bit,ddp-gpu-2bit,slimgc-device,slimgc-device-cttab,slimgc-device-powersgd,slimgc-offload
-bench resnet50 140 --model resnet50 --procs 1 --steps 20 --warmup 8 \
+bench resnet50 155 --model resnet50 --procs 1 --steps 20 --warmup 8 \
     --configs no-ddp,ddp,ddp-powersgd,ddp-gpu-1bit,ddp-gpu-2bit,slimgc-device,slimgc-device-nooverlap,slimgc-device-cttab,slimgc-device-offload,slimgc-offload
 log "done"
 cat "$OUT/summary.md"
