@@ -779,11 +779,20 @@ def checks(results):
         return r if r is not None and r["status"] == "ok" else None
     for model, procs in sorted({(r["model"], r["procs"]) for r in results}):
         off, ddp, g2 = (ok(model, procs, c) for c in ("slimgc-offload", "ddp", "ddp-gpu-2bit"))
-        if off and ddp and off.get("peak_gib") is not None:
-            out.append({"model": model, "procs": procs,
-                        "target": "slimgc-offload peak <= ddp peak",
-                        "value": "%.2f vs %.2f GiB" % (off["peak_gib"], ddp["peak_gib"]),
-                        "met": off["peak_gib"] <= ddp["peak_gib"]})
+
+        def step_row(a, b, target, factor=1.0):  # a's step against factor times b's
+            out.append({"model": model, "procs": procs, "target": target,
+                         "value": "%.1f vs %.1f ms (%.2fx)" % (
+                             a["ms_step"], b["ms_step"], a["ms_step"] / b["ms_step"]),
+                         "met": a["ms_step"] <= factor * b["ms_step"]})
+
+        def peak_row(a, b, target):  # a's peak memory against b's, where measured
+            if a.get("peak_gib") is not None:
+                out.append({"model": model, "procs": procs, "target": target,
+                            "value": "%.2f vs %.2f GiB" % (a["peak_gib"], b["peak_gib"]),
+                            "met": a["peak_gib"] <= b["peak_gib"]})
+        if off and ddp:
+            peak_row(off, ddp, "slimgc-offload peak <= ddp peak")
         if off and g2 and off.get("peak_gib") is not None and model == "vgg16":
             drop = 1 - off["peak_gib"] / g2["peak_gib"]
             out.append({"model": model, "procs": procs,
@@ -792,35 +801,16 @@ def checks(results):
         dev = ok(model, procs, "slimgc-device")
         if dev and ddp:  # the GPU data path issue's targets at one rank
             limit = 1.1 if procs == 1 else 1.0
-            out.append({"model": model, "procs": procs,
-                        "target": "slimgc-device step <= %.1fx ddp" % limit,
-                        "value": "%.1f vs %.1f ms (%.2fx)" % (
-                            dev["ms_step"], ddp["ms_step"], dev["ms_step"] / ddp["ms_step"]),
-                        "met": dev["ms_step"] <= limit * ddp["ms_step"]})
-            if dev.get("peak_gib") is not None:
-                out.append({"model": model, "procs": procs,
-                            "target": "slimgc-device peak <= ddp peak",
-                            "value": "%.2f vs %.2f GiB" % (dev["peak_gib"], ddp["peak_gib"]),
-                            "met": dev["peak_gib"] <= ddp["peak_gib"]})
+            step_row(dev, ddp, "slimgc-device step <= %.1fx ddp" % limit, limit)
+            peak_row(dev, ddp, "slimgc-device peak <= ddp peak")
         home, alone = ok(model, procs, "slimgc-device-offload"), ok(model, procs, "no-ddp")
-        if home and alone and home.get("peak_gib") is not None:  # the item 4
-            out.append({"model": model, "procs": procs,
-                        "target": "slimgc-device-offload peak <= no-ddp peak",
-                        "value": "%.2f vs %.2f GiB" % (home["peak_gib"], alone["peak_gib"]),
-                        "met": home["peak_gib"] <= alone["peak_gib"]})
+        if home and alone:  # the item 4
+            peak_row(home, alone, "slimgc-device-offload peak <= no-ddp peak")
         if home and ddp:
-            out.append({"model": model, "procs": procs,
-                        "target": "slimgc-device-offload step <= 1.5x ddp",
-                        "value": "%.1f vs %.1f ms (%.2fx)" % (
-                            home["ms_step"], ddp["ms_step"], home["ms_step"] / ddp["ms_step"]),
-                        "met": home["ms_step"] <= 1.5 * ddp["ms_step"]})
+            step_row(home, ddp, "slimgc-device-offload step <= 1.5x ddp", 1.5)
         low, hook = ok(model, procs, "slimgc-device-powersgd"), ok(model, procs, "ddp-powersgd")
         if low and hook and procs > 1:  # the same rank: only backup can hide its rounds
-            out.append({"model": model, "procs": procs,
-                        "target": "slimgc-device-powersgd step <= ddp-powersgd",
-                        "value": "%.1f vs %.1f ms (%.2fx)" % (
-                            low["ms_step"], hook["ms_step"], low["ms_step"] / hook["ms_step"]),
-                        "met": low["ms_step"] <= hook["ms_step"]})
+            step_row(low, hook, "slimgc-device-powersgd step <= ddp-powersgd")
         for suffix in ("", "-nobackup"):
             pl, gpu, cpu = (ok(model, procs, c + suffix) for c in
                             ("slimgc-placement", "slimgc-gpu", "slimgc-offload"))
