@@ -109,7 +109,7 @@ def test_row_pieces_change_no_bit(monkeypatch):
     lowrank.outer(whole[0], p, q, subtract=True)
     lowrank.outer(whole[1], p, q, subtract=False)
     for rows in (1, 3):
-        monkeypatch.setattr(lowrank, "PIECE_ELEMENTS", rows * 20)
+        monkeypatch.setattr(lowrank.device, "PIECE_ELEMENTS", rows * 20)
         pieces = [x0.clone(), x0.clone()]
         lowrank.outer(pieces[0], p, q, subtract=True)
         lowrank.outer(pieces[1], p, q, subtract=False)

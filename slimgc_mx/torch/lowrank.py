@@ -16,7 +16,8 @@ ordered sums, one column after another), not measured on a GPU yet.
 import torch
 
 from ..codecs.base import check_num_workers
-from .device import PIECE_ELEMENTS, TorchOps
+from . import device
+from .device import TorchOps
 
 
 def _ordered_dot(x, y):
@@ -46,7 +47,7 @@ def outer(x, p, q, subtract):
     n, m = p.shape[0], q.shape[0]
     x2 = x.view(n, m)
     p64, q64 = p.to(torch.float64), q.to(torch.float64)
-    rows = max(1, PIECE_ELEMENTS // max(m, 1))
+    rows = max(1, device.PIECE_ELEMENTS // max(m, 1))  # (the device codec's one piece size)
     for lo in range(0, n, rows):
         hi = min(lo + rows, n)
         acc = p64[lo:hi, 0:1] * q64[:, 0][None, :]

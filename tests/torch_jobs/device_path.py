@@ -7,7 +7,7 @@ and itself resumed; each rank records what it found.
     device_path.py OUT powersgd   powersgd (two rounds, one matrix bucket) x backup on/off x
                                   SGD/Adam against the host path, its products made by
                                   torch and by NumPy (the host codec's: the rest bitwise)
-    device_path.py OUT pieces     pieces of 64 elements (device.PIECE_ELEMENTS, lowrank's):
+    device_path.py OUT pieces     pieces of 64 elements (device.PIECE_ELEMENTS):
                                   2bit's encode (each piece's sum started once it is
                                   encoded) and decode, 4bit's decode and powersgd's outer
                                   products run piece by piece; Adam, against the host path
@@ -31,14 +31,18 @@ and itself resumed; each rank records what it found.
                                   full precision against DDP from the warm-up's weights on,
                                   and resumed mid-warm-up and after the decision
 """
+import contextlib
 import io
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import slimgc_mx.torch as slimgc
+from slimgc_mx.torch import device as device_ops
+from slimgc_mx.torch.lowrank import TorchPowerSGD
 from slimgc_mx.torch.routes import FULL, BucketRoutes
 from common import batch, digest, model, record, weights
 
@@ -127,6 +131,20 @@ def resumable(opt, net, stop, save_at, state=None, at_step=None):
     return saved
 
 
+@contextlib.contextmanager
+def numpy_products():
+    """powersgd's matrix products on the device made by NumPy's np.matmul of the same
+    operands, as the host codec makes them, while the block runs."""
+    def products(a, b, out):
+        out.copy_(torch.from_numpy(np.matmul(a.numpy(), b.numpy())))
+    kept = TorchPowerSGD.matmul
+    TorchPowerSGD.matmul = staticmethod(products)
+    try:
+        yield
+    finally:
+        TorchPowerSGD.matmul = kept
+
+
 if mode == "match":
     # argv[3], optional: the cases to run (comma-separated names of CODECS), for a quick look
     only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
@@ -156,22 +174,13 @@ if mode == "match":
     record(out, "match", rank, **result)
 
 elif mode == "powersgd":
-    import numpy as np
-    from slimgc_mx.torch.lowrank import TorchPowerSGD
-
-    def numpy_products(a, b, out):  # the host codec's np.matmul, on the same operands
-        out.copy_(torch.from_numpy(np.matmul(a.numpy(), b.numpy())))
     result = {}
     for backup in (True, False):
         for optimizer in ("sgd", "adam"):
             host, _ = train("host", "powersgd", backup, optimizer)
             for products in ("torch", "numpy"):
-                if products == "numpy":
-                    TorchPowerSGD.matmul = staticmethod(numpy_products)
-                try:
+                with numpy_products() if products == "numpy" else contextlib.nullcontext():
                     device, stats = train("device", "powersgd", backup, optimizer)
-                finally:
-                    TorchPowerSGD.matmul = staticmethod(torch.matmul)
                 case = "%s-%s-%s" % (products, "backup" if backup else "nobackup", optimizer)
                 result[case] = {"host": digest(host), "device": digest(device),
                                 "max_diff": float((host - device).abs().max()),
@@ -184,23 +193,17 @@ elif mode == "powersgd":
     record(out, "powersgd", rank, **result)
 
 elif mode == "pieces":
-    import numpy as np
-    from slimgc_mx.torch import device as device_ops
-    from slimgc_mx.torch import lowrank
-
-    def numpy_products(a, b, out):  # the host codec's np.matmul, on the same operands
-        out.copy_(torch.from_numpy(np.matmul(a.numpy(), b.numpy())))
     result = {}
+    whole_piece = device_ops.PIECE_ELEMENTS
     for compression, backup in (("2bit", True), ("2bit", False), ("4bit", True),
                                 ("powersgd", True)):
         host, _ = train("host", compression, backup, "adam")
-        device_ops.PIECE_ELEMENTS = lowrank.PIECE_ELEMENTS = 64
-        lowrank.TorchPowerSGD.matmul = staticmethod(numpy_products)
+        device_ops.PIECE_ELEMENTS = 64
         try:
-            device, stats = train("device", compression, backup, "adam")
+            with numpy_products():
+                device, stats = train("device", compression, backup, "adam")
         finally:
-            device_ops.PIECE_ELEMENTS = lowrank.PIECE_ELEMENTS = 1 << 23
-            lowrank.TorchPowerSGD.matmul = staticmethod(torch.matmul)
+            device_ops.PIECE_ELEMENTS = whole_piece
         _, whole = train("device", compression, backup, "adam")  # pieces as large as usual
         result["%s-%s" % (compression, backup)] = {
             "host": digest(host), "device": digest(device),
