@@ -78,6 +78,7 @@ class CTTab:
         self.margin = margin
         self._samples = {}  # key -> {"nbytes", "wire_q", "fp": [t_c..], "q": [t_c^q..], "proc": [t_p^q..]}
         self._declared = {}  # size -> the compressible keys of that size, in order (declare())
+        self._largest = 0  # the largest size declared (foregone(), asked at every push)
         self._timed = None  # the keys the warm-up times, chosen at the first timed()
         self.rows = []
         self.link = None  # the fitted {"latency_s", "bandwidth_Bps"} once the table is built
@@ -101,6 +102,7 @@ class CTTab:
     def declare(self, key, nbytes):
         """A compressible tensor of `nbytes` (key: the planner's index, in push order)."""
         keys = self._declared.setdefault(nbytes, [])
+        self._largest = max(self._largest, nbytes)
         if self._timed is not None and sum(k in self._timed for k in keys) < SAMPLES_PER_SIZE:
             self._timed.add(key)  # declared once routing began: timed while its size lacks
         keys.append(key)
@@ -144,7 +146,7 @@ class CTTab:
         transfers it cannot use (500 tiny tensors: one serial transfer a step)."""
         if self.phase != "warmup" or self.rule != "fit" or not self._declared:
             return None
-        if max(self._declared) >= MIN_FIT_SPAN:
+        if self._largest >= MIN_FIT_SPAN:
             return None
         return ("every compressible tensor is under %s, too few bytes for the fit to read "
                 "the link's bandwidth from, so compression cannot pay and there is no "

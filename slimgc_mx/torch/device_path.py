@@ -55,7 +55,7 @@ from .device import TorchDeviceCodec
 from .lowrank import TorchPowerSGD
 from .routes import BucketRoutes, agree
 from .state import from_tensors, to_tensors
-from .state_home import BOTH, RESIDUAL, STATE, StateCopies
+from .state_home import UPDATE, StateCopies, pass_parts
 
 #: DDP's default bucket size.
 BUCKET_CAP_MB = 25.0
@@ -65,6 +65,15 @@ BUCKET_CAP_MB = 25.0
 CHOICES = ("auto", "device", "host")
 #: Where the device path keeps glo_buf and the optimizer's state (state_home.py).
 STATE_ON = ("device", "host")
+
+
+def check_state_on(value):
+    """`value` if it is one of STATE_ON, else a ValueError naming the choices."""
+    if value not in STATE_ON:
+        raise ValueError("state_on must be one of %s (where the device path keeps glo_buf, "
+                         "the optimizer's state and the residuals), got %r"
+                         % (", ".join(repr(x) for x in STATE_ON), value))
+    return value
 
 
 def make_codec(config):
@@ -134,10 +143,7 @@ class DevicePath:
 
     def __init__(self, optimizer, named, group_of, config, transport, group, cap_mb=None,
                  state_on="device"):
-        if state_on not in STATE_ON:
-            raise ValueError("state_on must be one of %s, got %r" % (
-                ", ".join(repr(x) for x in STATE_ON), state_on))
-        self.state_on = state_on
+        self.state_on = check_state_on(state_on)
         self.optimizer = optimizer
         self.config = config
         self.num_workers, self.rank = transport.num_workers, transport.rank
@@ -311,7 +317,7 @@ class DevicePath:
             self._step_open = True
         b = self.buckets[j]
         b.settings(self.optimizer.param_groups[b.spec.group])
-        parts = BOTH if backup else frozenset((RESIDUAL,))  # (offloaded: what this pass reads)
+        parts = pass_parts(backup)  # (offloaded: what this pass reads)
         staged = b.stage(parts)
         if offloaded and j + 1 < len(self.buckets):
             self.buckets[j + 1].home.fetch(parts)  # its stage-in beside this pass
@@ -466,7 +472,7 @@ class DevicePath:
             due = list(self._due)
             for k, b in enumerate(due):
                 if k + 1 < len(due) and due[k + 1].home is not None:  # the next one's
-                    due[k + 1].home.fetch(frozenset((STATE,)))  # stage-in beside this update
+                    due[k + 1].home.fetch(UPDATE)  # stage-in beside this update
                 self._apply(b, write_back)
 
     def _apply(self, b, write_back=False):
@@ -477,7 +483,7 @@ class DevicePath:
         self._due.remove(b)
         if b.mean is None:
             self._decode(b)
-        staged = b.stage(frozenset((STATE,)))  # (within a pass with backup: staged already)
+        staged = b.stage(UPDATE)  # (within a pass with backup: staged already)
         b.global_step()
         b.step = None
         if write_back:
@@ -754,7 +760,7 @@ class DevicePath:
 
     def _fetch_first(self):
         """Offloaded: queue the stage-in of the first bucket's next pass."""
-        self.buckets[0].home.fetch(BOTH if self.config.backup else frozenset((RESIDUAL,)))
+        self.buckets[0].home.fetch(pass_parts(self.config.backup))
 
     def close(self):
         """Wait for the sums in flight (a collective left running would outlive the group)

@@ -150,10 +150,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 and 0 < bucket_cap_mb < float("inf")):
             raise ValueError("bucket_cap_mb must be a positive number of MiB (DDP's meaning; "
                              "default %g), got %r" % (device_path.BUCKET_CAP_MB, bucket_cap_mb))
-        if state_on is not None and state_on not in device_path.STATE_ON:
-            raise ValueError("state_on must be one of %s (where the device path keeps glo_buf "
-                             "and the optimizer's state), got %r"
-                             % (", ".join(repr(x) for x in device_path.STATE_ON), state_on))
+        if state_on is not None:
+            device_path.check_state_on(state_on)
         if not isinstance(overlap, bool):
             raise TypeError("overlap must be True (buckets start during backward) or False "
                             "(in step()), got %r" % (overlap,))

@@ -84,10 +84,16 @@ class StateCopies:
 
 
 #: What a pass stages: glo_buf with the optimizer's state (the updates), the residual (the
-#: encode); with backup one pass does all three, without it the encode and the update are
-#: two passes of a step.
+#: encode); with backup one pass does all three (BOTH), without it the encode (ENCODE) and
+#: the update (UPDATE) are two passes of a step.
 STATE, RESIDUAL = "state", "residual"
-BOTH = frozenset((STATE, RESIDUAL))
+BOTH, UPDATE, ENCODE = frozenset((STATE, RESIDUAL)), frozenset((STATE,)), frozenset((RESIDUAL,))
+
+
+def pass_parts(backup):
+    """What a bucket's pass in a step reads: all of it with backup (the deferred update, the
+    local update, the encode), the residual alone without (the update comes after)."""
+    return BOTH if backup else ENCODE
 
 
 class StateHome:
