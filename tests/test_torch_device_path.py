@@ -692,3 +692,72 @@ def test_a_grad_scaler_keeps_buckets_out_of_backward():
     assert stats["overlap"] == "off" and torch.equal(on, off)
     with pytest.raises(RuntimeError, match="GradScaler.*overlap=False"):
         train(True, 2)
+
+
+class DeferredStateCopies:
+    """A stand-in for state_home.StateCopies on CPU tensors, as a copy stream would run its
+    copies: each lands only when a reader waits for an event marked after it (ready) or the
+    host settles, in the order queued. Until then a device copy holds NaN, and the host
+    memory a stage-out writes holds NaN: whatever reads a buffer before its producer's event
+    reads NaN. A host-to-device copy reads its host memory when it lands (after the
+    stage-outs queued before it); a stage-out takes the device value when queued."""
+
+    cuda = False
+
+    def __init__(self, device, counts):
+        self.counts = counts
+        self.queue = []  # (destination, source or snapshot) not landed yet, oldest first
+        self.landed = 0
+        self.waits = 0
+
+    def host_empty(self, shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype)
+
+    def to_device(self, host):
+        self.counts.h2d_bytes += host.numel() * host.element_size()
+        out = torch.full(host.shape, float("nan"), dtype=host.dtype)
+        self.queue.append((out, host))
+        return out
+
+    def to_host(self, dev, host):
+        self.counts.d2h_bytes += dev.numel() * dev.element_size()
+        self.queue.append((host, dev.clone()))
+        host.fill_(float("nan"))
+
+    def mark(self):
+        return self.landed + len(self.queue)  # every copy queued so far
+
+    def _land(self, upto):
+        while self.landed < upto:
+            dst, src = self.queue.pop(0)
+            dst.copy_(src)
+            self.landed += 1
+
+    def ready(self, event, tensors):
+        self.waits += 1
+        self._land(event)
+
+    def settle(self):
+        self._land(self.landed + len(self.queue))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("backup", [True, False])
+def test_offloaded_state_reads_each_staged_copy_only_after_its_event(monkeypatch, optimizer,
+                                                                      backup):
+    """With copies that land only when their event is waited for (NaN until then), the
+    offloaded state's steps give state_on='device''s weights bit for bit: no pass reads a
+    staged buffer, and no checkpoint reads host memory, before the copy that writes it."""
+    from slimgc_mx.torch import device_path
+    made = []
+
+    def stand_in(device, counts):
+        made.append(DeferredStateCopies(device, counts))
+        return made[-1]
+    on, _, _ = _cuda_job("cpu", "2bit", backup, optimizer=optimizer, data_path="device",
+                         state_on="device")
+    monkeypatch.setattr(device_path, "StateCopies", stand_in)
+    off, _, _ = _cuda_job("cpu", "2bit", backup, optimizer=optimizer, data_path="device",
+                          state_on="host")
+    assert len(made) == 1 and made[0].waits > 0 and made[0].landed > 0
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
