@@ -133,6 +133,39 @@ def test_the_torch_adapter_implements_the_protocol():
         assert _check_framework(framework, opt, SlimGCConfig()) == {}
 
 
+def test_the_torch_device_paths_bucket_implements_the_protocol():
+    """The stages engine/stages.py runs for a device-path bucket are the adapter's bucket's;
+    one that lacks a stage is refused by name when the device path is built."""
+    torch = pytest.importorskip("torch")
+    from slimgc_mx import codecs
+    from slimgc_mx.torch import buckets, device_path
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for codec in (None, codecs.create("2bit")):
+        b = buckets.Bucket(buckets.BucketSpec((0,), 0, codec is not None), [("p", p)], opt,
+                           codec, 2)
+        assert backend.missing(b, backend.DeviceBucket) == []
+
+    class Lacking(buckets.Bucket):
+        encode_on_host = None  # as if misspelt: not callable
+    original = device_path.Bucket
+    device_path.Bucket = Lacking
+    try:
+        with pytest.raises(TypeError, match="DeviceBucket: it lacks encode_on_host"):
+            device_path.DevicePath(opt, [("p", p)], [0], _config(), _OneRank(), None)
+    finally:
+        device_path.Bucket = original
+
+
+class _OneRank:
+    num_workers, rank = 1, 0
+
+
+def _config():
+    from slimgc_mx.engine.config import SlimGCConfig
+    return SlimGCConfig(compressor="2bit", comm_threshold="off")
+
+
 def test_the_mxnet_adapter_implements_the_protocol():
     mx = pytest.importorskip("mxnet")
     from slimgc_mx.engine.config import SlimGCConfig

@@ -13,9 +13,12 @@ from slimgc_mx.engine.config import SlimGCConfig
 from slimgc_mx.engine.grad_buf import FusedEncode, Push
 from slimgc_mx.engine.offload import Pipeline, Transfer
 from slimgc_mx.engine.planner import Planner
+from slimgc_mx.engine import backend, stages
 from slimgc_mx.engine.stages import Stages
-from slimgc_mx.engine.push_plan import (BUCKET, COMPRESSED, DEVICE, ENCODER, FINISHER, FINITE,
-                                 FINITE_IN_RANGE, FULL, LOCAL_UPDATE, PIECES, UPDATE, Plan)
+from slimgc_mx.engine.push_plan import (BUCKET, COLLECTIVE, COMPRESSED, DEVICE, ENCODER,
+                                        FINISHER, FINITE, FINITE_IN_RANGE, FULL, HOST,
+                                        HOST_CODEC, LOCAL_UPDATE, PIECES, TAIL, UPDATE, Plan,
+                                        bucket_plan)
 from slimgc_mx.engine.cttab import CTTab
 from slimgc_mx.transport import HostBuffer, ThreadGroup
 from thread_workers import in_threads
@@ -218,3 +221,87 @@ def test_the_pipeline_and_the_update_follow_the_plan(monkeypatch, change):
         assert calls["decode"] > 0 and calls["decode_table"] == 0
     else:
         assert calls["fused"] == 0 and calls["decode_table"] > 0
+
+
+class _RecordingBucket:
+    """A device-path bucket (backend.DeviceBucket) that records which of its stages ran."""
+
+    def __init__(self, rounds=1):
+        self.calls, self.works, self.lanes, self.sent = [], [], "lanes", None
+        self._rounds = rounds
+
+    def fill_full_precision(self, grads, flag):
+        self.calls.append("full")
+
+    def flat_for_codec(self, grads, num_workers, watch=None):
+        self.calls.append("flat")
+        return "flat"
+
+    def encode_on_device(self, flat, num_workers, flag, rank=0, on_piece=None):
+        self.calls.append(("device", flat, rank))
+
+    def encode_on_host(self, flat, num_workers, flag, rank=0, counts=None):
+        self.calls.append(("host", flat, rank))
+
+    def round_parts(self):
+        return ["P", "Q"][:self._rounds]
+
+    def next_round(self, i, flag):
+        self.calls.append(("next", i))
+
+    def wait_sums(self):
+        self.calls.append("wait")
+
+    def average(self, num_workers):
+        self.calls.append(("average", num_workers))
+
+    def decode_sum(self, num_workers, counts=None):
+        self.calls.append(("decode", num_workers))
+
+
+@pytest.mark.parametrize("route,rounds,encode,exchanged,decode", [
+    (FULL, 1, ["full"], ["lanes"], ("average", 3)),
+    (FULL, 2, ["full"], ["lanes"], ("average", 3)),  # a codec's rounds are not full precision's
+    (COMPRESSED, 1, ["flat", ("device", "flat", 2)], ["lanes"], ("decode", 3)),
+    (COMPRESSED, 2, ["flat", ("device", "flat", 2)], ["P", "Q"], ("decode", 3)),
+    (HOST, 1, ["flat", ("host", "flat", 2)], ["lanes"], ("decode", 3))])
+def test_a_device_bucket_runs_each_stage_where_its_plan_places_it(route, rounds, encode,
+                                                                  exchanged, decode):
+    """The device path's buckets get their plan from bucket_plan (the CTTab per bucket's
+    route) and the engine's stages run each stage at its site through the adapter's bucket:
+    the encode (full precision, the device codec, the host codec), each round's sum (a
+    round after the first made from the previous sum, waited for), the decode."""
+    for timed in (False, True):
+        plan = bucket_plan(route, rounds, timed)
+        assert plan is bucket_plan(route, rounds, timed)  # made once, shared, immutable
+        assert plan.exchange == COLLECTIVE and plan.sum_check == TAIL
+        assert plan.serial == timed and plan.route == route
+        b = _RecordingBucket(rounds)
+        stages.encode_bucket(plan, b, ["g"], 3, "flag", rank=2)
+        assert b.calls == encode and b.sent is plan
+        b.calls = []
+        sums = []
+        assert stages.exchange_bucket(plan, b, lambda part: sums.append(part) or part,
+                                      "flag") == len(exchanged)
+        assert sums == exchanged and b.works == [exchanged[-1]]
+        assert b.calls == ([] if len(exchanged) == 1 else ["wait", ("next", 0)])
+        b.calls = []
+        stages.decode_bucket(plan, b, 3)
+        assert b.calls == [decode]
+    assert backend.missing(_RecordingBucket(), backend.DeviceBucket) == []
+
+
+def test_a_device_bucket_plan_names_its_sites_and_refuses_others():
+    assert bucket_plan(FULL).encode is None and bucket_plan(FULL).decode is None
+    assert (bucket_plan(COMPRESSED).encode, bucket_plan(COMPRESSED).decode) == (DEVICE, DEVICE)
+    assert bucket_plan(HOST).encode == HOST_CODEC and bucket_plan(HOST).grad_check == HOST_CODEC
+    assert bucket_plan(COMPRESSED, 2).rounds == (0, 1) and bucket_plan(HOST, 2).rounds == (0,)
+    with pytest.raises(ValueError, match="route is one of"):
+        bucket_plan(BUCKET)
+    b = _RecordingBucket()
+    with pytest.raises(ValueError, match="device-path bucket is not encoded at 'encoder'"):
+        stages.encode_bucket(dataclasses.replace(bucket_plan(COMPRESSED), encode=ENCODER),
+                             b, ["g"], 3, "flag")
+    with pytest.raises(ValueError, match="device-path bucket is not decoded at 'finisher'"):
+        stages.decode_bucket(dataclasses.replace(bucket_plan(COMPRESSED), decode=FINISHER),
+                             b, 3)

@@ -15,6 +15,9 @@ typing.
     GlobalUpdate  the update rule on glo_buf: the optimizer's step with the summed gradient
     LocalUpdate   the update rule on loc_buf: the same step with this worker's gradient
     Framework     the adapter's object the Aggregator is built with: all of the above
+    DeviceBucket  a device-path bucket: the stages of its pass on the parameters' device,
+                  which stages.py's encode_bucket / exchange_bucket / decode_bucket run at
+                  the sites of its plan (push_plan.bucket_plan)
 
 tests/test_backend_protocol.py checks every adapter's objects against them.
 """
@@ -193,6 +196,50 @@ class Framework(Protocol):
 
     def local_updater(self, update: GlobalUpdate, num_workers: int,
                       config: Any) -> LocalUpdate: ...
+
+
+@runtime_checkable
+class DeviceBucket(Protocol):
+    """One device-path bucket's stages (the PyTorch adapter's torch/buckets.py Bucket), each
+    called by engine/stages.py where the pass's Plan places it, on the training thread.
+
+    fill_full_precision  Plan.encode None: lanes <- the flat gradient (+ a residual a
+                         compressed route left, then flushed); flag <- not finite
+    flat_for_codec       a compressed plan: the flat gradient, the codec's lanes sized; the
+                         residual watch's norms into `watch` where given
+    encode_on_device     Plan.encode DEVICE: the device codec, error feedback included
+    encode_on_host       Plan.encode HOST_CODEC: the Cython codec on this thread
+    round_parts          a plan of several rounds: each round's lanes, in order
+    next_round           round i's sum in: round i + 1's lanes made from it
+    wait_sums            the sums in flight (works) waited for (on the device where it can)
+    average              Plan.decode None: the summed lanes / workers -> the mean gradient
+    decode_sum           Plan.decode DEVICE: the device codec's decode -> the mean gradient
+    """
+
+    lanes: Any  # what the pass's exchange sums (its rounds' parts: round_parts())
+    works: list  # the sums in flight
+    sent: Any  # the Plan of the lanes last encoded (set by stages.encode_bucket)
+
+    def fill_full_precision(self, grads: Sequence[Any], flag: Any) -> None: ...
+
+    def flat_for_codec(self, grads: Sequence[Any], num_workers: int,
+                       watch: Any = None) -> Any: ...
+
+    def encode_on_device(self, flat: Any, num_workers: int, flag: Any, rank: int = 0,
+                         on_piece: Optional[Callable[[int, int], None]] = None) -> None: ...
+
+    def encode_on_host(self, flat: Any, num_workers: int, flag: Any, rank: int = 0,
+                       counts: Any = None) -> None: ...
+
+    def round_parts(self) -> Sequence[Any]: ...
+
+    def next_round(self, i: int, flag: Any) -> None: ...
+
+    def wait_sums(self) -> None: ...
+
+    def average(self, num_workers: int) -> None: ...
+
+    def decode_sum(self, num_workers: int, counts: Any = None) -> None: ...
 
 
 def missing(obj, proto):

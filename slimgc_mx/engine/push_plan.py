@@ -13,7 +13,22 @@ sites and runs each stage there:
     decode   FINISHER      Stages.decode: the codec on the finisher thread
              UPDATE        stages.decode_in_update: the SGD kernel decodes inside its update
              DEVICE        Stages.decode: the device codec
+
+A device-path bucket's pass (torch/device_path.py, a placement of the same stages on the
+parameters' device) gets its plan from bucket_plan(), made from the route the CTTab per
+bucket (bucket_cttab.py) gives it; stages.py's encode_bucket, exchange_bucket and
+decode_bucket read it:
+
+    encode   DEVICE        the device codec (torch ops), error feedback included
+             HOST_CODEC    the Cython codec on the training thread (the gradient and the
+                           residual brought to the host, the lanes and residual sent back)
+             None          the flat gradient (+ a residual a compressed route left)
+    decode   DEVICE        the device codec; None: the sum divided by the workers
+    exchange COLLECTIVE    the job's process group on the lanes' device, one sum per round
+    sum_check TAIL         each rank's flag summed in the step's tail, read before the
+                           global update it guards
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -21,6 +36,7 @@ from typing import Optional, Tuple
 FULL = "full precision"  # fp_buf: grad_buf as it is
 COMPRESSED = "compressed"  # bit_buf: the codec's lanes
 BUCKET = "fused bucket"  # a bucket's flat buffers, full precision or compressed
+HOST = "compressed on the host"  # a device-path bucket's lanes made by the host codec
 
 # Sites: where a part of the push runs.
 ENCODER = "encoder"  # the pipeline's encoder thread (a Cython kernel without the GIL)
@@ -29,25 +45,33 @@ PIECES = "pieces"  # the local update's engine operators, one per piece of bit_b
 DEVICE = "device"  # the device codec (framework ops on the gradient's device)
 FINISHER = "finisher"  # the pipeline's finisher thread
 UPDATE = "update"  # inside the global update: the sum is never written to memory
+HOST_CODEC = "host codec"  # a device-path bucket's: the Cython codec on the training thread
+
+# Where the lanes are summed.
+TRANSPORT = "transport"  # the host transport, behind the pipeline's threads
+COLLECTIVE = "collective"  # the job's process group on the lanes' device (the device path)
 
 # How the finisher checks each round's result for NaN/Inf.
 FINITE = "finite"  # every element
 FINITE_IN_RANGE = "finite, lanes in range"  # the last round's digit lanes read once for
 #                                             both NaN/Inf and the SGD kernel's lane range
+TAIL = "tail"  # a device-path bucket's: its rank's flag, summed in the step's tail
 
 
 @dataclass(frozen=True)
 class Plan:
     """Where each part of one push runs (Planner.plan); immutable once made."""
 
-    route: str  # FULL, COMPRESSED or BUCKET
+    route: str  # FULL, COMPRESSED or BUCKET; a device-path bucket's: its CTTab route (FULL,
+    #             COMPRESSED on the device, HOST)
     encode: Optional[str]  # bit_buf's encoder: ENCODER, LOCAL_UPDATE, PIECES, DEVICE; None:
     #                        fp_buf goes as it is
     decode: Optional[str]  # the sum's decoder: FINISHER, UPDATE, DEVICE; None: agg is the sum
     grad_check: str  # who finds NaN/Inf in this worker's gradient: ENCODER (its own pass,
     #                  or the codec's pre-check), LOCAL_UPDATE (the SGD kernel), DEVICE
-    sum_check: str  # FINITE or FINITE_IN_RANGE, on the finisher thread
+    sum_check: str  # FINITE or FINITE_IN_RANGE, on the finisher thread; TAIL
     serial: bool = False  # warm-up: transferred alone and timed, in the trainer's key order
+    #                       (a device-path bucket: its sum waited for, encode to decode timed)
     rounds: Tuple[int, ...] = (0,)  # the codec's rounds this push exchanges (push_rounds)
     wire_class: int = 0  # the codec's slot class at this push (its decode may change it)
     pieces: Optional[tuple] = None  # PIECES: the grad_buf.Piece each operator encodes
@@ -55,6 +79,7 @@ class Plan:
     #                               the aggregator hands the codec before the push
     measure: bool = False  # the residual watch samples this push: its encoder adds the
     #                        norms, the finisher judges them (residual_watch.py)
+    exchange: str = TRANSPORT  # where the lanes are summed: TRANSPORT or COLLECTIVE
 
     @property
     def compressed(self):
@@ -66,3 +91,23 @@ class Plan:
 FULL_PLAN = Plan(FULL, None, None, ENCODER, FINITE)
 FULL_SERIAL_PLAN = Plan(FULL, None, None, ENCODER, FINITE, serial=True)
 FULL_BUCKET_PLAN = Plan(BUCKET, None, None, ENCODER, FINITE)
+
+
+#: A device-path bucket's sites per CTTab route: (encode, decode, grad_check).
+_BUCKET_SITES = {FULL: (None, None, DEVICE), COMPRESSED: (DEVICE, DEVICE, DEVICE),
+                 HOST: (HOST_CODEC, DEVICE, HOST_CODEC)}
+
+
+@functools.lru_cache(maxsize=None)
+def bucket_plan(route, rounds=1, timed=False):
+    """The plan of a device-path bucket's pass on `route` (bucket_cttab.py's FULL, COMPRESSED
+    or HOST): its codec's `rounds` where the device codec encodes (powersgd: 2), one
+    otherwise; `timed`: a warm-up pass, its sum waited for and timed. Made once per
+    argument set (immutable, shared)."""
+    if route not in _BUCKET_SITES:
+        raise ValueError("a device-path bucket's route is one of %s, got %r"
+                         % (", ".join(repr(r) for r in _BUCKET_SITES), route))
+    encode, decode, check = _BUCKET_SITES[route]
+    return Plan(route, encode, decode, check, TAIL, serial=bool(timed),
+                rounds=tuple(range(rounds)) if route == COMPRESSED else (0,),
+                exchange=COLLECTIVE)

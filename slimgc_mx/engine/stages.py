@@ -15,6 +15,10 @@ them and runs each stage at its site, one entry point per thread:
                                        leaves it to the global update (decode_in_update)
     any thread        ready_array      what a transfer waits for before it enters
                       streamed         whether its pieces are sent as they are encoded
+
+A device-path bucket's pass (push_plan.bucket_plan) is the same stages placed on the
+parameters' device, run on the training thread through the adapter's bucket
+(backend.DeviceBucket): encode_bucket, exchange_bucket, decode_bucket.
 """
 import time
 
@@ -23,7 +27,7 @@ import numpy as np
 from ..codecs import NonFiniteGradientError
 from ..codecs.base import kernels
 from .grad_buf import FusedEncode, mark_nonfinite
-from .push_plan import DEVICE, ENCODER, FINISHER, LOCAL_UPDATE, PIECES, UPDATE
+from .push_plan import DEVICE, ENCODER, FINISHER, HOST_CODEC, LOCAL_UPDATE, PIECES, UPDATE
 
 
 class Stages:
@@ -216,3 +220,49 @@ def flush_residual(b):
     np.add(grad, memory[:grad.size], out=grad)
     memory.fill(0)
     b.residual_pending = False
+
+
+# -- a device-path bucket's pass (the training thread) -------------------------------------
+def encode_bucket(plan, bucket, grads, num_workers, flag, rank=0, counts=None, watch=None,
+                  on_piece=None):
+    """`bucket`'s lanes made from this rank's `grads` where `plan` encodes them: the flat
+    gradient (None), the device codec (DEVICE) or the host codec (HOST_CODEC), error
+    feedback included; `flag` gets 1 where the gradient (+ residual) is not finite. watch:
+    two slots for the residual watch's norms (compressed plans); on_piece(lo, hi): the
+    device codec's, where it encodes a large tensor by pieces."""
+    bucket.sent = plan
+    if plan.encode is None:
+        bucket.fill_full_precision(grads, flag)
+        return
+    flat = bucket.flat_for_codec(grads, num_workers, watch)
+    if plan.encode == HOST_CODEC:
+        bucket.encode_on_host(flat, num_workers, flag, rank, counts)
+    elif plan.encode == DEVICE:
+        bucket.encode_on_device(flat, num_workers, flag, rank, on_piece)
+    else:
+        raise ValueError("a device-path bucket is not encoded at %r" % (plan.encode,))
+
+
+def exchange_bucket(plan, bucket, start_sum, flag):
+    """The sums of the lanes `plan` sends started with start_sum(part) (its Work), round
+    after round: a round's lanes are made from the previous round's sum (powersgd's Q from
+    the summed P), which is waited for first (on the device where the group can). Returns
+    how many sums were started."""
+    parts = bucket.round_parts() if len(plan.rounds) > 1 else (bucket.lanes,)
+    for i, part in enumerate(parts):
+        if i:
+            bucket.wait_sums()
+            bucket.next_round(i - 1, flag)
+        bucket.works = [start_sum(part)]
+    return len(parts)
+
+
+def decode_bucket(plan, bucket, num_workers, counts=None):
+    """The summed lanes of `plan`'s pass into the bucket's mean gradient: decoded by the
+    device codec (DEVICE), or the sum divided by the workers (None)."""
+    if plan.decode is None:
+        bucket.average(num_workers)
+    elif plan.decode == DEVICE:
+        bucket.decode_sum(num_workers, counts)
+    else:
+        raise ValueError("a device-path bucket is not decoded at %r" % (plan.decode,))

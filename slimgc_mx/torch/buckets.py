@@ -7,11 +7,11 @@ import torch
 
 from ..codecs import NonFiniteGradientError
 from ..engine import residual_watch
+from ..engine.push_plan import COMPRESSED, FULL, bucket_plan
 from .device import _DTYPES, TorchDeviceCodec
 from .lowrank import TorchPowerSGD
 from .state_home import BOTH, StateHome
 from .framework import _constructor_args
-from .routes import COMPRESSED, FULL, HOST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +90,10 @@ class Bucket:
             self.residual = None
             self.lanes = self._fp_lanes = torch.zeros(self.numel, dtype=torch.float32,
                                                       device=device)
-        # the route of the next encode (the CTTab's, routes.py): COMPRESSED (the device
-        # codec), HOST (the host codec) or FULL
+        # the route of the next encode (the CTTab's, engine/bucket_cttab.py): COMPRESSED
+        # (the device codec), HOST (the host codec) or FULL
         self.route = COMPRESSED if self.codec is not None else FULL
-        self.sent_route = self.route  # the route of the lanes last encoded
+        self.sent = self.plan()  # the plan of the lanes last encoded (stages.encode_bucket)
         self.final = self.codec is None  # the route is kept from here on (settle())
         self.timing = None  # the warm-up: (bucket index, route, step, marks) until decoded
         self.mean = None  # the decoded mean gradient, from decode() to global_step()
@@ -147,9 +147,13 @@ class Bucket:
         return self.codec is not None and self.route != FULL
 
     @property
-    def sent_compressed(self):
-        """Whether the lanes last encoded are the codec's (decode() decodes them alike)."""
-        return self.sent_route != FULL
+    def rounds(self):
+        """The device codec's exchanges per push (powersgd: 2), else 1."""
+        return self.codec.rounds if self.codec is not None else 1
+
+    def plan(self, timed=False):
+        """The plan of this bucket's next pass on its route (push_plan.bucket_plan)."""
+        return bucket_plan(self.route, self.rounds, timed)
 
     @property
     def host_route(self):
@@ -175,75 +179,76 @@ class Bucket:
                 work.wait()
         self.works = []
 
-    def encode(self, grads, num_workers, flag, rank=0, counts=None, watch=None,
-               on_piece=None):
-        """This rank's gradient, with error feedback, into the lanes of its route (full
-        precision: copied in); `flag` (a 0-dim float64 view) gets 1 where grad (+ residual)
-        is not finite; a gathered codec's values go into slot `rank`. counts: the copy
-        accounting (copies.CopyCounts) the host route's copies go to. watch: two float64
-        slots that get the squared norms of the gradient and of the residual the last push
-        left, before this encode (the residual watch's sample; compressed routes only).
-        on_piece(lo, hi): the device codec's, where it encodes a large tensor by pieces."""
-        self.sent_route = self.route if self.codec is not None else FULL
+    # -- the stages of a pass, which engine/stages.py runs at the sites of its plan -----------
+    def fill_full_precision(self, grads, flag):
+        """The lanes <- the flat gradient (a full-precision plan); `flag` (a 0-dim float64
+        view) gets 1 where it is not finite."""
         with torch.no_grad():
-            if not self.sent_compressed:
-                if self._fp_lanes is None:
-                    self._fp_lanes = torch.empty(self.numel, dtype=torch.float32,
-                                                 device=self.device)
-                self.lanes = self._fp_lanes
-                torch.cat([g.reshape(-1) for g in grads], out=self.lanes)
-                if self.residual is not None:
-                    # The host path's rule for a key that leaves the compressed route
-                    # (engine/stages.py flush_residual, codecs/feedback.py): the full-precision
-                    # push sends grad + residual and the residual starts again from zero, so
-                    # the error feedback the compressed steps kept is not lost. A bucket the
-                    # CTTab keeps in full precision flushes once and then holds none.
-                    self.lanes.add_(self.residual)
-                    if self.final:
-                        self.residual = None
-                    else:
-                        self.residual.zero_()
-                flag.copy_(~torch.isfinite(self.lanes).all())
-                return
-            # a bucket of one tensor encodes its gradient in place of a copy (read only)
+            if self._fp_lanes is None:
+                self._fp_lanes = torch.empty(self.numel, dtype=torch.float32,
+                                             device=self.device)
+            self.lanes = self._fp_lanes
+            torch.cat([g.reshape(-1) for g in grads], out=self.lanes)
+            if self.residual is not None:
+                # The host path's rule for a key that leaves the compressed route
+                # (engine/stages.py flush_residual, codecs/feedback.py): the full-precision
+                # push sends grad + residual and the residual starts again from zero, so
+                # the error feedback the compressed steps kept is not lost. A bucket the
+                # CTTab keeps in full precision flushes once and then holds none.
+                self.lanes.add_(self.residual)
+                if self.final:
+                    self.residual = None
+                else:
+                    self.residual.zero_()
+            flag.copy_(~torch.isfinite(self.lanes).all())
+
+    def flat_for_codec(self, grads, num_workers, watch=None):
+        """The flat gradient a codec encodes (a bucket of one tensor: the gradient itself,
+        read only), the codec's lanes sized and taken as the lanes; watch: two float64 slots
+        that get the squared norms of the gradient and of the residual the last push left
+        (the residual watch's sample)."""
+        with torch.no_grad():
             flat = grads[0].reshape(-1) if len(grads) == 1 else \
                 torch.cat([g.reshape(-1) for g in grads])
             if watch is not None:
                 norms = torch.stack([torch.linalg.vector_norm(flat),
                                      torch.linalg.vector_norm(self.residual[:self.numel])])
                 watch.copy_(norms.double().square())
-            self.pushes += 1
-            n = self.codec.codec.lane_count(self.numel, num_workers)  # 4bit's moves
-            if self._q_lanes is None or self._q_lanes.numel() != n:
-                dtype = _DTYPES[self.codec.codec.wire_dtype]
-                self._q_lanes = torch.zeros(n, dtype=dtype, device=flat.device)
-            self.lanes = self._q_lanes
-            if self.sent_route == HOST:
-                self._encode_on_host(flat, num_workers, flag, rank, counts)
-            elif self.codec.rounds == 2:  # powersgd: P now, Q once P's sum is in (next_round)
-                self.codec.encode(flat, self.residual, self.parts()[0], flag)
+        self.pushes += 1
+        n = self.codec.codec.lane_count(self.numel, num_workers)  # 4bit's moves
+        if self._q_lanes is None or self._q_lanes.numel() != n:
+            dtype = _DTYPES[self.codec.codec.wire_dtype]
+            self._q_lanes = torch.zeros(n, dtype=dtype, device=flat.device)
+        self.lanes = self._q_lanes
+        return flat
+
+    def encode_on_device(self, flat, num_workers, flag, rank=0, on_piece=None):
+        """The device codec: `flat` (+ residual) into the lanes (error feedback into the
+        residual); `flag` gets 1 where not finite; a gathered codec's values go into slot
+        `rank`; powersgd writes its first round (P; next_round makes Q from its sum).
+        on_piece(lo, hi): called as each piece of a large tensor's lanes is encoded."""
+        with torch.no_grad():
+            if self.codec.rounds == 2:
+                self.codec.encode(flat, self.residual, self.round_parts()[0], flag)
             else:
                 self.codec.encode(flat, self.residual, num_workers, out=self.lanes, flag=flag,
                                   rank=rank, on_piece=on_piece)
 
-    def parts(self):
-        """The lanes as the exchanges that sum them, in order: powersgd's P and then Q (each
-        summed before the next is made: next_round), any other route's lanes whole."""
-        if self.sent_compressed and self.codec.rounds == 2:
-            return self.codec.parts(self.lanes)
-        return (self.lanes,)
+    def round_parts(self):
+        """powersgd's lanes as its rounds' exchanges, in order: P, then Q."""
+        return self.codec.parts(self.lanes)
 
     def next_round(self, i, flag):
-        """After part i's sum: write part i + 1 (powersgd's Q_j from the summed P)."""
-        p_sum, q = self.parts()[i:i + 2]
+        """After round i's sum: write round i + 1's lanes (powersgd's Q_j from the summed P)."""
+        p_sum, q = self.round_parts()[i:i + 2]
         self.codec.next_round(p_sum, q, flag)
 
-    def _encode_on_host(self, flat, num_workers, flag, rank, counts):
-        """The host route: the Cython codec encodes the gradient (+ residual) on the CPU, on
+    def encode_on_host(self, flat, num_workers, flag, rank=0, counts=None):
+        """The host codec: the Cython codec encodes the gradient (+ residual) on the CPU, on
         this thread; on a CUDA device the gradient and residual come to the host and the
         lanes and residual go back, by blocking copies through pageable memory (a host
-        synchronisation and pageable bytes, counted: a route the warm-up times, kept only
-        where it is the fastest)."""
+        synchronisation and pageable bytes, counted in `counts`, a copies.CopyCounts: a
+        route the warm-up times, kept only where it is the fastest)."""
         on_host = not flat.is_cuda
         grad = flat if on_host else flat.cpu()
         residual = self.residual if on_host else self.residual.cpu()
@@ -266,22 +271,29 @@ class Bucket:
                 counts.h2d_bytes += up
                 counts.pageable_bytes += down + up
 
-    def decode(self, num_workers, counts):
-        """The summed lanes -> the mean gradient (mean, until global_step)."""
-        with torch.no_grad():  # allocated per bucket: one bucket's worth is live at a time
-            self.mean = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-            if not self.sent_compressed:
-                torch.div(self.lanes, num_workers, out=self.mean)
-                return
+    def _new_mean(self):
+        # allocated per bucket: one bucket's worth is live at a time
+        self.mean = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        return self.mean
+
+    def average(self, num_workers):
+        """A full-precision sum -> the mean gradient (mean, until global_step)."""
+        with torch.no_grad():
+            torch.div(self.lanes, num_workers, out=self._new_mean())
+
+    def decode_sum(self, num_workers, counts=None):
+        """The summed lanes decoded by the device codec -> the mean gradient (mean)."""
+        with torch.no_grad():
+            mean = self._new_mean()
             if self.codec.rounds == 2:
-                self.codec.decode(self.parts()[1], self.mean)
+                self.codec.decode(self.round_parts()[1], mean)
             else:
-                self.codec.decode(self.lanes, self.numel, num_workers, out=self.mean,
-                                  checked=False)
-            if getattr(self.codec.codec, "trailer_lanes", 0) and self.lanes.is_cuda:
+                self.codec.decode(self.lanes, self.numel, num_workers, out=mean, checked=False)
+            if getattr(self.codec.codec, "trailer_lanes", 0) and self.lanes.is_cuda \
+                    and counts is not None:
                 counts.host_syncs += 1  # the statistic read back (1bit's scale, 4bit's group)
             # (gathered values, terngrad's, qsgd's, thc's, stay on the device: no read)
-            self.mean.div_(num_workers)
+            mean.div_(num_workers)
 
     def global_step(self):
         """glo_buf <- one step of the user's optimizer with the mean gradient."""

@@ -28,7 +28,7 @@ push left ride in the tail too, summed over the ranks: the residual watch
 (engine/residual_watch.py) judges them on every rank alike and warns once where the
 residual keeps growing (compression that wrecks training), as on the host path.
 
-With comm_threshold='auto' (the default) the CTTab chooses each bucket's route (routes.py):
+With comm_threshold='auto' (the default) the CTTab chooses each bucket's route (engine/bucket_cttab.py):
 for config.warmup_steps steps every bucket that can be compressed cycles through the device
 codec, the host codec (2bit) and full precision, each timed (CUDA events on the stream that
 runs them, read once at the decision; wall time on the CPU); then each bucket keeps the
@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from .. import codecs, notice
 from ..codecs.rng import key_seed
-from ..engine import residual_watch
+from ..engine import backend, residual_watch, stages
+from ..engine.bucket_cttab import BucketRoutes, agree
 from ..engine.offload import NonFiniteAggregateError
 from ..engine.step_clip import EPS
 from .collective import Collectives, Rider
@@ -53,7 +54,6 @@ from .copies import CopyCounts
 from .buckets import Bucket, plan_buckets
 from .device import TorchDeviceCodec
 from .lowrank import TorchPowerSGD
-from .routes import BucketRoutes, agree
 from .state import from_tensors, to_tensors
 from .state_home import UPDATE, StateCopies, pass_parts
 
@@ -163,6 +163,8 @@ class DevicePath:
         self.buckets = [Bucket(s, named, optimizer, _bucket_codec(codec, s, config.seed),
                                self.num_workers)
                         for s in plan_buckets(named, group_of, codec, threshold, cap)]
+        for b in self.buckets[:1]:  # the stages the engine runs (stages.encode_bucket, ...)
+            backend.check(b, backend.DeviceBucket, "the device path's bucket")
         device = named[0][1].device
         self._transport = transport  # rank 0's routes gathered over it at the decision
         self._cuda = device.type == "cuda"
@@ -331,34 +333,29 @@ class DevicePath:
                 b.unstage()
 
     def _encode_and_sum(self, j, b, grads):
-        """Bucket j's encode (error feedback into its residual) and its lanes' sum started;
-        in the warm-up, timed."""
+        """Bucket j's encode (error feedback into its residual) and its lanes' sum started,
+        each at the site of the pass's plan (engine/stages.py); in the warm-up, timed."""
         timed = self.routes.warming and b.codec is not None
         if timed:  # the warm-up: this step's route, timed from the encode to the decode
             b.route = self.routes.route(j, self.step_count)
             start = self._mark()
+        plan = b.plan(timed)
         watch = None
-        if b.watch is not None and b.compressed and residual_watch.due(b):
+        if b.watch is not None and plan.compressed and residual_watch.due(b):
             watch = self.tail[self._watch_at + 2 * j:self._watch_at + 2 * j + 2]
             self._sampling.append((j, b.pushes))
         pieces = []  # a large tensor's lanes, summed piece by piece as they are encoded
-        b.encode(grads, self.num_workers, self.tail[j], self.rank, self.counts, watch=watch,
-                 on_piece=None if self._wire is None else (
-                     lambda lo, hi: pieces.append(self._sum(b.lanes[lo:hi]))))
+        stages.encode_bucket(plan, b, grads, self.num_workers, self.tail[j], self.rank,
+                             self.counts, watch=watch, on_piece=None if self._wire is None
+                             else lambda lo, hi: pieces.append(self._sum(b.lanes[lo:hi])))
         if pieces:
             b.works = pieces
             self.transfers += len(pieces)
         else:
-            parts = b.parts()
-            for i, part in enumerate(parts):
-                if i:  # powersgd's Q is made from the summed P (NCCL: the stream waits)
-                    b.wait_sums()
-                    b.next_round(i - 1, self.tail[j])
-                b.works = [self._sum(part)]
-            self.transfers += len(parts)
+            self.transfers += stages.exchange_bucket(plan, b, self._sum, self.tail[j])
         if timed:  # the sum waited for (CUDA: the stream waits), in the warm-up only
             b.wait_sums()
-            b.timing = (j, b.sent_route, self.step_count, [start, self._mark()])
+            b.timing = (j, plan.route, self.step_count, [start, self._mark()])
         b.step = self.step_count
 
     def step(self, grads_of, clip=None):
@@ -530,13 +527,14 @@ class DevicePath:
                                                               found)
 
     def _decode(self, b):
-        """Bucket b's sum decoded; in the warm-up, its route's sample completed."""
+        """Bucket b's sum decoded at its pass's site; in the warm-up, its route's sample
+        completed."""
         timing, b.timing = b.timing, None
         if timing is None:
-            b.decode(self.num_workers, self.counts)
+            stages.decode_bucket(b.sent, b, self.num_workers, self.counts)
             return
         start = self._mark()
-        b.decode(self.num_workers, self.counts)
+        stages.decode_bucket(b.sent, b, self.num_workers, self.counts)
         j, route, step, marks = timing
         marks += [start, self._mark()]
         if self._cuda:
@@ -544,7 +542,7 @@ class DevicePath:
         else:
             self.routes.record(j, route, (marks[1] - marks[0]) + (marks[3] - marks[2]), step)
 
-    # -- the CTTab (routes.py) -----------------------------------------------------------------
+    # -- the CTTab (engine/bucket_cttab.py) -----------------------------------------------------
     def _mark(self):
         """Now: a CUDA event recorded on the current stream (the one that runs the encode,
         waits for the sum and decodes), or the wall clock on the CPU."""

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import slimgc_mx.torch as slimgc
 from slimgc_mx.torch import device as device_ops
 from slimgc_mx.torch.lowrank import TorchPowerSGD
-from slimgc_mx.torch.routes import FULL, BucketRoutes
+from slimgc_mx.engine.bucket_cttab import FULL, BucketRoutes
 from common import batch, digest, model, record, weights
 
 out, mode = sys.argv[1], sys.argv[2]

@@ -1,5 +1,7 @@
-"""The device path's CTTab (SlimGC Strategy 1, per bucket): which route each bucket takes,
-the device codec, the host codec (the Cython codec on the CPU) or full precision.
+"""The CTTab per bucket (SlimGC Strategy 1, the device path's placement): which route each
+bucket takes, the device codec, the host codec (the Cython codec on the CPU) or full
+precision. Framework-free: the adapter times the routes and hands the times to record();
+push_plan.bucket_plan turns the route into the sites of the bucket's pass.
 
 With comm_threshold='auto', every bucket that could be compressed (one whose codec the
 device serves) cycles through its routes for the warm-up's steps, counted from the
@@ -7,7 +9,7 @@ warm-up's start: the device codec (error feedback and encode in torch ops, the l
 decode), the host codec where the bucket has one (host_route(): the gradient and residual
 brought to the host, the Cython codec's encode on its CPU threads, the lanes and residual
 back; the same lanes bit for bit), and full precision (the flat gradient summed in float32
-and divided, as an uncompressed bucket's). DevicePath times each route of each bucket (CUDA
+and divided, as an uncompressed bucket's). The adapter (torch/device_path.py) times each route of each bucket (CUDA
 events read once at the decision, or wall time on the CPU) and hands the times to
 record(); each bucket keeps its fastest sample per route, since interference only adds
 time (as engine/cttab.py's keys do).
@@ -27,11 +29,12 @@ against torch ops), not where the paper's offload hides the CPU's work behind th
 """
 import math
 
-from ..engine.cttab import format_bytes, plain_number
+from .cttab import format_bytes, plain_number
 
-#: A bucket's route, as stats() reports it.
-COMPRESSED, HOST, FULL, WARMUP = "compressed", "compressed on the host", "full precision", \
-    "warm-up"
+from .push_plan import COMPRESSED, FULL, HOST
+
+#: What stats() reports for a bucket while the warm-up times its routes.
+WARMUP = "warm-up"
 #: Each route's sample in a bucket's warm-up record, and its code in agree()'s allgather.
 _SAMPLE = {COMPRESSED: "q", HOST: "host", FULL: "fp"}
 _CODE = {FULL: 0.0, COMPRESSED: 1.0, HOST: 2.0}
