@@ -662,7 +662,7 @@ def run_rank(spec):
     out = {"rank": rank, "world": world, "ms_step": ms, "samples_per_s": spec["batch"] * 1e3 / ms,
            "ms_fwd_bwd": statistics.median(fb_ms), "ms_opt_step": statistics.median(opt_ms),
            "ms_step_mean": statistics.mean(step_ms), "peak_gib": peak,
-           "peak_reserved_gib": reserved, "loss": float(loss), "info": info,
+           "peak_reserved_gib": reserved, "loss": float(loss.detach()), "info": info,
            "tensors": [list(p.shape) for p in model.parameters()],
            "elements": sum(p.numel() for p in model.parameters())}
     if slim:
