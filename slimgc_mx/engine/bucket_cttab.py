@@ -9,10 +9,10 @@ warm-up's start: the device codec (error feedback and encode in torch ops, the l
 decode), the host codec where the bucket has one (host_route(): the gradient and residual
 brought to the host, the Cython codec's encode on its CPU threads, the lanes and residual
 back; the same lanes bit for bit), and full precision (the flat gradient summed in float32
-and divided, as an uncompressed bucket's). The adapter (torch/device_path.py) times each route of each bucket (CUDA
-events read once at the decision, or wall time on the CPU) and hands the times to
-record(); each bucket keeps its fastest sample per route, since interference only adds
-time (as engine/cttab.py's keys do).
+and divided, as an uncompressed bucket's). The adapter (torch/device_path.py) times each
+route of each bucket (CUDA events read once at the decision, or wall time on the CPU) and
+hands the times to record(); each bucket keeps its fastest sample per route, since
+interference only adds time (as engine/cttab.py's keys do).
 
 At the end of the warm-up each bucket takes its faster compressed route only where that
 route's time, counted 1 + cttab_margin times, is below its full-precision time (choose():
@@ -30,7 +30,6 @@ against torch ops), not where the paper's offload hides the CPU's work behind th
 import math
 
 from .cttab import format_bytes, plain_number
-
 from .push_plan import COMPRESSED, FULL, HOST
 
 #: What stats() reports for a bucket while the warm-up times its routes.

@@ -24,7 +24,7 @@ decode_bucket read it:
                            residual brought to the host, the lanes and residual sent back)
              None          the flat gradient (+ a residual a compressed route left)
     decode   DEVICE        the device codec; None: the sum divided by the workers
-    exchange COLLECTIVE    the job's process group on the lanes' device, one sum per round
+    rounds                 one sum per round on the job's process group (exchange_bucket)
     sum_check TAIL         each rank's flag summed in the step's tail, read before the
                            global update it guards
 """
@@ -46,10 +46,6 @@ DEVICE = "device"  # the device codec (framework ops on the gradient's device)
 FINISHER = "finisher"  # the pipeline's finisher thread
 UPDATE = "update"  # inside the global update: the sum is never written to memory
 HOST_CODEC = "host codec"  # a device-path bucket's: the Cython codec on the training thread
-
-# Where the lanes are summed.
-TRANSPORT = "transport"  # the host transport, behind the pipeline's threads
-COLLECTIVE = "collective"  # the job's process group on the lanes' device (the device path)
 
 # How the finisher checks each round's result for NaN/Inf.
 FINITE = "finite"  # every element
@@ -79,7 +75,6 @@ class Plan:
     #                               the aggregator hands the codec before the push
     measure: bool = False  # the residual watch samples this push: its encoder adds the
     #                        norms, the finisher judges them (residual_watch.py)
-    exchange: str = TRANSPORT  # where the lanes are summed: TRANSPORT or COLLECTIVE
 
     @property
     def compressed(self):
@@ -109,5 +104,4 @@ def bucket_plan(route, rounds=1, timed=False):
                          % (", ".join(repr(r) for r in _BUCKET_SITES), route))
     encode, decode, check = _BUCKET_SITES[route]
     return Plan(route, encode, decode, check, TAIL, serial=bool(timed),
-                rounds=tuple(range(rounds)) if route == COMPRESSED else (0,),
-                exchange=COLLECTIVE)
+                rounds=tuple(range(rounds)) if route == COMPRESSED else (0,))

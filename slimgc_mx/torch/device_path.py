@@ -28,12 +28,12 @@ push left ride in the tail too, summed over the ranks: the residual watch
 (engine/residual_watch.py) judges them on every rank alike and warns once where the
 residual keeps growing (compression that wrecks training), as on the host path.
 
-With comm_threshold='auto' (the default) the CTTab chooses each bucket's route (engine/bucket_cttab.py):
-for config.warmup_steps steps every bucket that can be compressed cycles through the device
-codec, the host codec (2bit) and full precision, each timed (CUDA events on the stream that
-runs them, read once at the decision; wall time on the CPU); then each bucket keeps the
-fastest, a compressed one only where it wins by cttab_margin, and every rank adopts rank
-0's routes. A size in bytes,
+With comm_threshold='auto' (the default) the CTTab chooses each bucket's route
+(engine/bucket_cttab.py): for config.warmup_steps steps every bucket that can be compressed
+cycles through the device codec, the host codec (2bit) and full precision, each timed (CUDA
+events on the stream that runs them, read once at the decision; wall time on the CPU); then
+each bucket keeps the fastest, a compressed one only where it wins by cttab_margin, and
+every rank adopts rank 0's routes. A size in bytes,
 or 'off', fixes the routes at build time (no warm-up).
 """
 import math
