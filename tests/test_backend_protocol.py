@@ -134,8 +134,9 @@ def test_the_torch_adapter_implements_the_protocol():
 
 
 def test_the_torch_device_paths_bucket_implements_the_protocol():
-    """The stages engine/stages.py runs for a device-path bucket are the adapter's bucket's;
-    one that lacks a stage is refused by name when the device path is built."""
+    """The stages engine/stages.py runs for a device-path bucket, and what the step's
+    schedule (engine/bucket_step.py) reads and calls, are the adapter's bucket's; one that
+    lacks a stage or a member is refused by name when the device path is built."""
     torch = pytest.importorskip("torch")
     from slimgc_mx import codecs
     from slimgc_mx.torch import buckets, device_path
@@ -145,16 +146,34 @@ def test_the_torch_device_paths_bucket_implements_the_protocol():
         b = buckets.Bucket(buckets.BucketSpec((0,), 0, codec is not None), [("p", p)], opt,
                            codec, 2)
         assert backend.missing(b, backend.DeviceBucket) == []
+        assert backend.missing(b, backend.ScheduledBucket) == []
 
     class Lacking(buckets.Bucket):
         encode_on_host = None  # as if misspelt: not callable
+
+    class NoLocalStep(buckets.Bucket):
+        local_step = None
+
+    class NoLaneBytes(buckets.Bucket):
+        lane_bytes = property(lambda self: self.missing_attribute)
     original = device_path.Bucket
-    device_path.Bucket = Lacking
     try:
-        with pytest.raises(TypeError, match="DeviceBucket: it lacks encode_on_host"):
-            device_path.DevicePath(opt, [("p", p)], [0], _config(), _OneRank(), None)
+        for klass, name in ((Lacking, "encode_on_host"), (NoLocalStep, "local_step"),
+                            (NoLaneBytes, "lane_bytes")):
+            device_path.Bucket = klass
+            with pytest.raises(TypeError, match=r"ScheduledBucket: it lacks %s \(docs" % name):
+                device_path.DevicePath(opt, [("p", p)], [0], _config(), _OneRank(), None)
     finally:
         device_path.Bucket = original
+
+
+def test_the_torch_device_path_s_device_implements_the_protocol():
+    """The sums, marks, tail and clip the engine's step schedule calls are TorchStep's."""
+    torch = pytest.importorskip("torch")
+    from slimgc_mx.torch import device_path
+    step = device_path.TorchStep(torch.device("cpu"), None, 12)
+    assert backend.missing(step, backend.DeviceStep) == []
+    assert backend.missing(object(), backend.DeviceStep)[:2] == ["sums", "counts"]
 
 
 class _OneRank:

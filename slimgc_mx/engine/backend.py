@@ -18,6 +18,8 @@ typing.
     DeviceBucket  a device-path bucket: the stages of its pass on the parameters' device,
                   which stages.py's encode_bucket / exchange_bucket / decode_bucket run at
                   the sites of its plan (push_plan.bucket_plan)
+    ScheduledBucket  the same bucket as the step's schedule (bucket_step.py) drives it
+    DeviceStep    the device under that schedule: sums, timing marks, the tail, the clip
 
 tests/test_backend_protocol.py checks every adapter's objects against them.
 """
@@ -240,6 +242,96 @@ class DeviceBucket(Protocol):
     def average(self, num_workers: int) -> None: ...
 
     def decode_sum(self, num_workers: int, counts: Any = None) -> None: ...
+
+
+@runtime_checkable
+class ScheduledBucket(DeviceBucket, Protocol):
+    """A device-path bucket as the step's schedule (engine/bucket_step.py) drives it: its
+    stages (DeviceBucket) and what the schedule reads and calls around them.
+
+    plan            the Plan of its next pass on its route (push_plan.bucket_plan)
+    settings        the user's current settings of its param group into its optimizers
+    stage/unstage   offloaded state (state_on='host'): `parts` on the device for a pass,
+                    and put back; prefetch queues a stage-in ahead of the pass
+    local_step      loc_buf <- one step of the rule from glo_buf with this rank's gradient
+                    (times `scale`: a clipped step), the global state only read
+    global_step     glo_buf <- one step of the rule with the decoded mean gradient
+    write_back      the parameters <- glo_buf
+    settle          the CTTab's decision: the route it keeps
+    """
+
+    names: Sequence[str]  # its parameters' names, for messages
+    indices: Sequence[int]  # its parameters' indices in the model's (backward order)
+    numel: int
+    codec: Any  # the device codec, None for a full-precision bucket
+    base_codec: Any  # the codecs package's codec whose rule it runs (the residual watch's)
+    watch: Any  # the residual watch's Series (compressed buckets), else None
+    pushes: int  # compressed pushes so far
+    route: str  # the route of the next encode (bucket_cttab)
+    timing: Any  # the warm-up: (index, route, step, marks) until its sum is decoded
+    mean: Any  # the decoded mean gradient, until global_step
+    step: Optional[int]  # the step whose sum the lanes hold (None: nothing pending)
+    offloaded: bool  # its state lives in host memory between passes
+    lane_bytes: int  # the bytes of the lanes last encoded
+
+    def plan(self, timed: bool = False) -> Any: ...
+
+    def settings(self) -> None: ...
+
+    def stage(self, parts: Any) -> bool: ...
+
+    def unstage(self) -> None: ...
+
+    def prefetch(self, parts: Any) -> None: ...
+
+    def local_step(self, grads: Sequence[Any], scale: Any = None) -> None: ...
+
+    def global_step(self) -> None: ...
+
+    def write_back(self) -> None: ...
+
+    def settle(self, route: str) -> None: ...
+
+
+@runtime_checkable
+class DeviceStep(Protocol):
+    """The adapter's device under the device path's step (engine/bucket_step.py): the
+    job's sums, timing marks, the step's tail (a float64 vector summed over the ranks after
+    the buckets, read on the host one step later) and the clip, in the framework's ops.
+
+    start_sum     the sum of a tensor over the ranks started: its Work (None: no group)
+    mark          a timing mark on the stream that runs the passes (a GPU: an event)
+    span_seconds  each span's seconds, (b - a) + (d - c) of its marks [a, b, c, d], read
+                  together at the CTTab's decision (a GPU: one host synchronisation)
+    tail_slot(s)  views of the tail a stage writes (a bucket's flag, the watch's norms)
+    zero_tail     the tail's slots from `lo` on <- 0
+    send_tail     slot n <- overlap, slots [0, n] *= scale, the rider's values at rider_at;
+                  the tail's sum started, its copy to the host queued after it
+    read_tail     the summed tail as a host float64 array: the step's one host wait
+    clip          the mean gradients scaled as clip_grad_norm_; their norm (on the device)
+    """
+
+    sums: bool  # whether there is a group to sum over (False: a job of one process)
+    counts: Any  # copies.CopyCounts: the bytes copied each way, host synchronisations
+
+    def start_sum(self, tensor: Any) -> Optional[Work]: ...
+
+    def mark(self) -> Any: ...
+
+    def span_seconds(self, spans: Sequence[Sequence[Any]]) -> Sequence[float]: ...
+
+    def tail_slot(self, i: int) -> Any: ...
+
+    def tail_slots(self, lo: int, hi: int) -> Any: ...
+
+    def zero_tail(self, lo: int) -> None: ...
+
+    def send_tail(self, n: int, overlap: float, scale: float, rider_at: int,
+                  rider: Optional[np.ndarray]) -> None: ...
+
+    def read_tail(self) -> np.ndarray: ...
+
+    def clip(self, means: Sequence[Any], max_norm: float, norm_type: float) -> Any: ...
 
 
 def missing(obj, proto):

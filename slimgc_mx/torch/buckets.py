@@ -7,10 +7,11 @@ import torch
 
 from ..codecs import NonFiniteGradientError
 from ..engine import residual_watch
+from ..engine.bucket_step import BOTH
 from ..engine.push_plan import COMPRESSED, FULL, bucket_plan
 from .device import _DTYPES, TorchDeviceCodec
 from .lowrank import TorchPowerSGD
-from .state_home import BOTH, StateHome
+from .state_home import StateHome
 from .framework import _constructor_args
 
 
@@ -68,6 +69,7 @@ class Bucket:
             self.glo = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.home = None  # state_home.StateHome where glo_buf and the state are offloaded
         self.glo_views = self._views(self.glo)
+        self._optimizer = optimizer  # the user's: its param group's settings each pass
         group = {k: v for k, v in optimizer.param_groups[spec.group].items() if k != "params"}
         args = _constructor_args(optimizer, group)
         self.shadow = type(optimizer)(self.glo_views, **args)  # glo_buf's optimizer: the state
@@ -107,30 +109,59 @@ class Bucket:
             offset += n
         return out
 
+    @property
+    def indices(self):
+        """Its parameters' indices in the model's trainable parameters (backward order)."""
+        return self.spec.indices
+
+    @property
+    def base_codec(self):
+        """The codec (codecs package) whose rule the device codec runs, or None."""
+        return self.codec.codec if self.codec is not None else None
+
+    @property
+    def lane_bytes(self):
+        """The bytes of the lanes last encoded (what one rank sends per step)."""
+        return self.lanes.numel() * self.lanes.element_size()
+
+    @property
+    def offloaded(self):
+        """Whether glo_buf, the state and the residual live in host memory (state_on)."""
+        return self.home is not None
+
     def offload(self, copies):
         """glo_buf, the global optimizer's state and the residual kept in host memory from
         now on, staged on the device for the passes that read them (stage(), unstage())."""
         self.home = StateHome(self, copies)
 
     def stage(self, parts=BOTH):
-        """`parts` (state_home's STATE, RESIDUAL) on the device for a pass (offloaded:
+        """`parts` (bucket_step's STATE, RESIDUAL) on the device for a pass (offloaded:
         swapped in); True where this call staged them."""
         return self.home.use(parts) if self.home is not None else False
+
+    def prefetch(self, parts):
+        """Offloaded: queue the stage-in of `parts` for this bucket's next pass."""
+        if self.home is not None:
+            self.home.fetch(parts)
 
     def unstage(self):
         """The stage-out queued, host memory back in place (offloaded); else nothing."""
         if self.home is not None:
             self.home.put_back()
 
-    def settings(self, group):
+    def settings(self):
         """The user's current settings of this bucket's param group into both optimizers."""
+        group = self._optimizer.param_groups[self.spec.group]
         values = {k: v for k, v in group.items() if k != "params"}
         self.shadow.param_groups[0].update(values)
         self.local.param_groups[0].update(values)
 
-    def local_step(self, grads):
-        """loc_buf <- one step of the rule from glo_buf with this rank's `grads`, reading the
-        global state and writing none of it (the host path's local update, in torch ops)."""
+    def local_step(self, grads, scale=None):
+        """loc_buf <- one step of the rule from glo_buf with this rank's `grads` (times
+        `scale` where given: a clipped step), reading the global state and writing none of
+        it (the host path's local update, in torch ops)."""
+        if scale is not None:
+            grads = [g * scale for g in grads]
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.glo_views)
             for p, w, g in zip(self.params, self.glo_views, grads):

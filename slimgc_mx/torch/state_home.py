@@ -12,6 +12,8 @@ are plain copies: the same swaps and the same bytes counted as a device would mo
 """
 import torch
 
+from ..engine.bucket_step import BOTH, RESIDUAL, STATE
+
 
 def _per_element(value, like):
     """True for a state tensor of the parameter's shape (momentum, Adam's moments): staged;
@@ -81,19 +83,6 @@ class StateCopies:
         if self.cuda:
             self.stream.synchronize()
             self.counts.host_syncs += 1
-
-
-#: What a pass stages: glo_buf with the optimizer's state (the updates), the residual (the
-#: encode); with backup one pass does all three (BOTH), without it the encode (ENCODE) and
-#: the update (UPDATE) are two passes of a step.
-STATE, RESIDUAL = "state", "residual"
-BOTH, UPDATE, ENCODE = frozenset((STATE, RESIDUAL)), frozenset((STATE,)), frozenset((RESIDUAL,))
-
-
-def pass_parts(backup):
-    """What a bucket's pass in a step reads: all of it with backup (the deferred update, the
-    local update, the encode), the residual alone without (the update comes after)."""
-    return BOTH if backup else ENCODE
 
 
 class StateHome:
