@@ -1,7 +1,9 @@
-"""`python -m slimgc_mx.bench gpu` on the CPU: every config in fresh ranks, JSON, table, figure.
+"""`python -m slimgc_mx.bench gpu` on the CPU: every config's ranks, JSON, table, figure.
 
 docs/benchmarks.md ("GPU memory and step composition") runs it on a GPU; here the tiny
-model on the CPU checks the harness: DDP, its fp16 hook and SlimGC at 1 and 2 ranks.
+model on the CPU checks the harness: DDP, its fp16 hook and SlimGC at 1 and 2 ranks. The
+smoke test runs its configs in the same ranks (--reuse-ranks); the profile test and
+run_config's tests run them in fresh ones, as on a GPU.
 """
 import importlib.util
 import json
@@ -37,7 +39,8 @@ def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     for procs, configs in (("1", CONFIGS), ("2", TWO_RANKS)):
         out = tmp_path / ("p" + procs)
         r = _bench("--model", "tiny", "--device", "cpu", "--procs", procs, "--steps", "3",
-                   "--warmup", "1", "--configs", ",".join(configs), "--out", str(out))
+                   "--warmup", "1", "--configs", ",".join(configs), "--out", str(out),
+                   "--reuse-ranks")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         docs.append(json.loads((out / "results.json").read_text()))
         outs.append((out, r))
@@ -211,3 +214,57 @@ def test_a_rank_that_aborts_at_exit_after_its_result_keeps_it(tmp_path, monkeypa
     MODE[1] = "crash"
     lost = gpu.run_config("no-ddp", "tiny", 2, args, str(tmp_path))
     assert lost["status"] == "error" and "exit_abort" not in lost
+
+
+def test_reused_ranks_record_a_failing_config_and_run_the_ones_after_it_afresh(tmp_path,
+                                                                              monkeypatch,
+                                                                              capsys):
+    """--reuse-ranks: the configs in turn in the same ranks, each recorded as its results
+    come; a config whose rank fails is an error, the ones before it keep their rows and the
+    ones after it run in fresh ranks. Only on the CPU."""
+    from slimgc_mx.bench import gpu
+    launches = []
+
+    def fake_popen(cmd, stdout, stderr, env, start_new_session):
+        with open(cmd[-2]) as f:
+            specs = json.load(f)
+        rank, code = int(env["RANK"]), 0
+        if rank == 0:
+            launches.append([spec["config"] for spec in specs])
+        for i, spec in enumerate(specs):
+            if spec["config"] == "ddp":  # rank 1 dies in it, rank 0 loses its peer
+                code = -11 if rank else 1
+                stdout.write("Segmentation fault\n" if rank else "Connection closed\n")
+                stdout.flush()
+                break
+            with open(gpu._config_out(cmd[-1], i), "w") as f:
+                json.dump({"rank": rank, "ms_step": 1.0 + i, "samples_per_s": 1.0,
+                           "peak_gib": None, "ms_fwd_bwd": 0.5, "ms_opt_step": 0.5}, f)
+
+        class Done:
+            returncode = code
+            pid = 0
+
+            def poll(self):
+                return code
+
+        return Done()
+
+    monkeypatch.setattr(gpu.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(gpu, "_kill", lambda running: None)
+    args = gpu.parse_args(["--batch", "2", "--steps", "1", "--warmup", "0", "--device", "cpu",
+                           "--timeout", "5", "--out", str(tmp_path), "--reuse-ranks"], "gpu")
+    assert args.reuse_ranks
+    got = []
+    configs = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload"]
+    gpu.run_reusing_ranks(configs, "tiny", 2, args, str(tmp_path), got.append)
+    assert launches == [configs, ["ddp-fp16", "slimgc-offload"]]
+    assert [(r["config"], r["status"]) for r in got] == [
+        ("no-ddp", "ok"), ("ddp", "error"), ("ddp-fp16", "ok"), ("slimgc-offload", "ok")]
+    assert "Connection closed" in got[1]["error"] and got[1]["ranks"] == []
+    assert [len(r["ranks"]) for r in got] == [2, 0, 2, 2]
+    assert [r.get("ms_step") for r in got] == [1.0, None, 1.0, 2.0]
+    assert all(r["wall_s"] >= 0 for r in got)
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--reuse-ranks"], "gpu")  # --device cuda: fresh ranks each
+    assert "--reuse-ranks needs --device cpu" in capsys.readouterr().err

@@ -5,13 +5,15 @@ feedback and SlimGC) and Fig. 12/13 (a step's compute, copies, encode, transfer 
 for all-GPU compression, all-CPU offload and the CTTab's placement, with and without
 backup), and the device path. Each configuration runs in fresh processes (P ranks sharing
 one device on loopback: an NCCL group for one rank on a GPU, else Gloo; --backend), so peak memory never leaks from one into the next; a configuration that
-fails or hangs is recorded and the next one runs. The measured compute and codec times are
+fails or hangs is recorded and the next one runs (--reuse-ranks: on the CPU, the configs in
+the same ranks, one after another). The measured compute and codec times are
 projected onto 10 and 100 Gbit/s links with the pieces of the cost model (scale.py).
 
 torch is imported lazily: `python -m slimgc_mx.bench` keeps working without it.
 """
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -115,8 +117,9 @@ def _count(text):
 
 def parse_args(argv, prog):
     p = argparse.ArgumentParser(
-        prog=prog, description=DESCRIPTION + ". Each config runs in fresh processes; "
-        "results.json, table.md and fig14.png go to --out.",
+        prog=prog, description=DESCRIPTION + ". Each config runs in fresh processes "
+        "(on the CPU, --reuse-ranks: the configs in the same ones); results.json, table.md "
+        "and fig14.png go to --out.",
         epilog="configs:\n" + "\n".join("  %-26s %s" % kv for kv in CONFIGS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=lambda t: _list(t, MODELS, "model"), default=["vgg16"],
@@ -149,7 +152,17 @@ def parse_args(argv, prog):
                    default=[8, 16], help="worker counts of the projection (default 8,16)")
     p.add_argument("--out", default=os.path.join("results", "gpu"),
                    help="folder of results.json, table.md and fig14.png (default results/gpu)")
-    return p.parse_args(argv)
+    p.add_argument("--reuse-ranks", action="store_true",
+                   help="--device cpu only: the configs of a model and rank count run one "
+                        "after another in the same P rank processes (one process group) "
+                        "instead of fresh ones each, which saves each config's start; on "
+                        "the CPU there is no peak memory to keep apart. A config that fails "
+                        "is recorded and the ones after it run in fresh ranks")
+    args = p.parse_args(argv)
+    if args.reuse_ranks and args.device != "cpu":
+        p.error("--reuse-ranks needs --device cpu (on a GPU each config runs in fresh "
+                "processes, so that peak memory never carries over)")
+    return args
 
 
 # ---------------------------------------------------------------- the orchestrator
@@ -217,15 +230,22 @@ def _kill(procs):
         proc.wait()
 
 
-def run_config(config, model, procs, args, work):
-    """One config at `procs` ranks, in fresh processes: a record with each rank's result,
-    or the error / timeout that stopped it."""
-    spec = {"config": config, "model": model, "batch": args.batch, "steps": args.steps,
+def _spec(config, model, procs, args):
+    return {"config": config, "model": model, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "device": args.device, "backend": args.backend,
             "profile": args.profile,
             "profile_path": os.path.abspath(os.path.join(
                 args.out, "profile-%s-%s-p%d.txt" % (model, config, procs)))}
-    folder = tempfile.mkdtemp(prefix="%s-%s-%d-" % (model, config, procs), dir=work)
+
+
+def _config_out(out_path, index):
+    """Where a rank of --reuse-ranks writes the result of its index-th config."""
+    return "%s-c%d.json" % (out_path[:-len(".json")], index)
+
+
+def _start_ranks(spec, procs, folder):
+    """`procs` fresh rank processes on `spec` (a config's, or --reuse-ranks' list of them):
+    (the processes, their log files, their result paths)."""
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -233,20 +253,72 @@ def run_config(config, model, procs, args, work):
     # the ranks import the same slimgc_mx as this process
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    running, logs = [], []
-    start = time.time()
+    running, logs, outs = [], [], []
     for rank in range(procs):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1",
                    PYTHONPATH=path)
         log = os.path.join(folder, "rank%d.log" % rank)
         logs.append(log)
+        outs.append(os.path.join(folder, "rank%d.json" % rank))
         with open(log, "w") as out:
             running.append(subprocess.Popen(
-                [sys.executable, "-m", "slimgc_mx.bench.gpu", spec_path,
-                 os.path.join(folder, "rank%d.json" % rank)],
+                [sys.executable, "-m", "slimgc_mx.bench.gpu", spec_path, outs[-1]],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-    record = {"config": config, "model": model, "procs": procs, "status": "ok", "error": None}
+    return running, logs, outs
+
+
+def _read_ranks(paths):
+    ranks = []
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                ranks.append(json.load(f))
+    return ranks
+
+
+def _settle(record, ranks, codes, logs):
+    """The record of a config whose ranks wrote `ranks`; codes: the rank processes' exit
+    codes (None: still running, past this config)."""
+    procs = record["procs"]
+    skipped = [r["skipped"] for r in ranks if r.get("skipped")]
+    # a rank that wrote its result and then aborted while the interpreter exited (a Gloo
+    # job's defect at exit, fixed in SlimGC's transport: docs/benchmarks.md) measured its
+    # steps: kept, and said so
+    aborted = [r for r, code in enumerate(codes) if len(ranks) == procs
+               and code == -signal.SIGABRT and EXIT_ABORT in _tail(logs[r], 4000)]
+    if aborted:
+        record["exit_abort"] = aborted
+    if record["status"] == "ok" and skipped:
+        record.update(status="skipped", error=skipped[0])
+    elif record["status"] == "ok" and (len(ranks) < procs or any(
+            code not in (0, None) and r not in aborted for r, code in enumerate(codes))):
+        bad = next((r for r, code in enumerate(codes) if code not in (0, None)), 0)
+        record.update(status="error", error="rank %d exited with %s: %s" % (
+            bad, codes[bad], _tail(logs[bad])))
+    elif record["status"] == "timeout":
+        record["error"] += ": " + _tail(logs[0], 600)
+    record["ranks"] = ranks if record["status"] == "ok" else []
+    record.update(summarize(record["ranks"]))
+    return record
+
+
+def _new_record(config, model, procs):
+    return {"config": config, "model": model, "procs": procs, "status": "ok", "error": None}
+
+
+def _timed_out(record, args):
+    record.update(status="timeout", error="timed out after %d s (--timeout); ranks "
+                  "killed" % args.timeout)
+
+
+def run_config(config, model, procs, args, work):
+    """One config at `procs` ranks, in fresh processes: a record with each rank's result,
+    or the error / timeout that stopped it."""
+    folder = tempfile.mkdtemp(prefix="%s-%s-%d-" % (model, config, procs), dir=work)
+    running, logs, outs = _start_ranks(_spec(config, model, procs, args), procs, folder)
+    start = time.time()
+    record = _new_record(config, model, procs)
     failed_at = None
     while True:
         codes = [p.poll() for p in running]
@@ -254,8 +326,7 @@ def run_config(config, model, procs, args, work):
             break
         now = time.time()
         if now - start > args.timeout:
-            record.update(status="timeout", error="timed out after %d s (--timeout); ranks "
-                          "killed" % args.timeout)
+            _timed_out(record, args)
             break
         if any(c not in (None, 0) for c in codes):
             failed_at = failed_at or now
@@ -264,32 +335,52 @@ def run_config(config, model, procs, args, work):
         time.sleep(0.2)
     _kill(running)
     record["wall_s"] = round(time.time() - start, 1)
-    ranks = []
-    for rank in range(procs):
-        path = os.path.join(folder, "rank%d.json" % rank)
-        if os.path.exists(path):
-            with open(path) as f:
-                ranks.append(json.load(f))
-    skipped = [r["skipped"] for r in ranks if r.get("skipped")]
-    # a rank that wrote its result and then aborted while the interpreter exited (a Gloo
-    # job's defect at exit, fixed in SlimGC's transport: docs/benchmarks.md) measured its
-    # steps: kept, and said so
-    aborted = [r for r, p in enumerate(running) if len(ranks) == procs
-               and p.returncode == -signal.SIGABRT and EXIT_ABORT in _tail(logs[r], 4000)]
-    if aborted:
-        record["exit_abort"] = aborted
-    if record["status"] == "ok" and skipped:
-        record.update(status="skipped", error=skipped[0])
-    elif record["status"] == "ok" and (len(ranks) < procs or any(
-            p.returncode != 0 and r not in aborted for r, p in enumerate(running))):
-        bad = next((r for r, p in enumerate(running) if p.returncode != 0), 0)
-        record.update(status="error", error="rank %d exited with %s: %s" % (
-            bad, running[bad].returncode, _tail(logs[bad])))
-    elif record["status"] == "timeout":
-        record["error"] += ": " + _tail(logs[0], 600)
-    record["ranks"] = ranks if record["status"] == "ok" else []
-    record.update(summarize(record["ranks"]))
-    return record
+    return _settle(record, _read_ranks(outs), [p.returncode for p in running], logs)
+
+
+def run_reusing_ranks(configs, model, procs, args, work, report):
+    """--reuse-ranks: `configs` one after another in the same `procs` rank processes (one
+    process group); each config's record, in order, goes to report(record) as it finishes
+    (wall_s: since the one before it finished). A config that fails or passes --timeout is
+    recorded as run_config records it, and the configs after it run in fresh ranks."""
+    while configs:
+        folder = tempfile.mkdtemp(prefix="%s-%d-reused-" % (model, procs), dir=work)
+        running, logs, outs = _start_ranks(
+            [_spec(c, model, procs, args) for c in configs], procs, folder)
+        results = [[_config_out(out, i) for out in outs] for i in range(len(configs))]
+        done, since, failed_at, late = 0, time.time(), None, None
+
+        def finish(record, codes):
+            record["wall_s"] = round(time.time() - since, 1)
+            report(_settle(record, _read_ranks(results[done]), codes, logs))
+
+        while True:
+            codes = [p.poll() for p in running]
+            # every config but the last is settled once its results are written; the last
+            # when the ranks have exited (their exit codes count for it)
+            while done < len(configs) - 1 and all(map(os.path.exists, results[done])):
+                finish(_new_record(configs[done], model, procs), [None] * procs)
+                done, since = done + 1, time.time()
+            if all(c is not None for c in codes):
+                break
+            now = time.time()
+            if now - since > args.timeout:
+                late = _new_record(configs[done], model, procs)
+                _timed_out(late, args)
+                break
+            if any(c not in (None, 0) for c in codes):
+                failed_at = failed_at or now
+                if now - failed_at > 10:  # the others wait on the failed rank's collectives
+                    break
+            time.sleep(0.2)
+        _kill(running)
+        codes = [p.returncode for p in running]
+        while late is None and done < len(configs) - 1 and all(
+                map(os.path.exists, results[done])):
+            finish(_new_record(configs[done], model, procs), [None] * procs)
+            done, since = done + 1, time.time()
+        finish(late or _new_record(configs[done], model, procs), codes)
+        configs = configs[done + 1:]
 
 
 def summarize(ranks):
@@ -344,16 +435,24 @@ def main(argv=None, prog="python -m slimgc_mx.bench gpu"):
     work = tempfile.mkdtemp(prefix="slimgc-bench-gpu-")
     doc = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "results": []}
     started = time.time()
+
+    def report(rec):
+        doc["results"].append(rec)
+        print(_progress(rec), flush=True)
+        _write_json(doc, args.out)
     for model in args.model:
         for procs in args.procs:
-            for config in args.configs:
-                if "placement" in config and placement:
-                    rec = _skip_record(config, model, procs, placement)
+            for skip, configs in itertools.groupby(
+                    args.configs, lambda c: bool("placement" in c and placement)):
+                configs = list(configs)
+                if skip:
+                    for config in configs:
+                        report(_skip_record(config, model, procs, placement))
+                elif args.reuse_ranks:
+                    run_reusing_ranks(configs, model, procs, args, work, report)
                 else:
-                    rec = run_config(config, model, procs, args, work)
-                doc["results"].append(rec)
-                print(_progress(rec), flush=True)
-                _write_json(doc, args.out)
+                    for config in configs:
+                        report(run_config(config, model, procs, args, work))
     doc["wall_s"] = round(time.time() - started, 1)
     doc["projection"] = projection(doc["results"], args.project_workers, args.batch)
     doc["checks"] = checks(doc["results"])
@@ -597,8 +696,10 @@ def _copy_ms(model, device, repeats=5):
     return statistics.median(times)
 
 
-def run_rank(spec):
-    """Train spec's config for warmup + steps on this rank; its result as a dict."""
+def run_rank(spec, keep_group=False):
+    """Train spec's config for warmup + steps on this rank; its result as a dict. The
+    process group is made unless one is there (--reuse-ranks: the configs before this one
+    made it), and destroyed after unless keep_group."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -613,7 +714,8 @@ def run_rank(spec):
     backend = spec.get("backend", "auto")
     if backend == "auto":
         backend = "nccl" if cuda and world == 1 else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world)
     torch.manual_seed(0)
     side, classes = INPUTS[spec["model"]]
     with torch.device(device):
@@ -694,18 +796,27 @@ def run_rank(spec):
     if slim:
         opt.close()
     dist.barrier()
-    dist.destroy_process_group()
+    if not keep_group:
+        dist.destroy_process_group()
     return out
+
+
+def _write_result(result, out_path):
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(result, f, default=str)
+    os.replace(out_path + ".tmp", out_path)
 
 
 def _worker_main(argv):
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
-    result = run_rank(spec)
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(out_path + ".tmp", out_path)
+    if isinstance(spec, list):  # --reuse-ranks: the configs in turn, in one process group
+        for i, one in enumerate(spec):
+            _write_result(run_rank(one, keep_group=i < len(spec) - 1),
+                          _config_out(out_path, i))
+        return 0
+    _write_result(run_rank(spec), out_path)
     return 0
 
 
