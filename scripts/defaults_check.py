@@ -17,18 +17,23 @@ training (slimgc_mx/engine/residual_watch.py). The exit status is 1 when some ra
 is not below --fraction of its initial loss. docs/codecs.md, "Defaults that train" and
 "Compression that wrecks training", has the results.
 """
-# Scheduler and server processes of a dist job enter their loop inside `import mxnet`
-# and exit there, so it comes before anything heavy.
-import mxnet as mx  # noqa: E402  (must stay first)
-
-import argparse
 import os
 import sys
-import threading
-from collections import namedtuple
 
-import numpy as np
-from mxnet import autograd, gluon
+# Scheduler and server processes of a dist job enter their loop inside `import mxnet`
+# and exit there, so for them it comes before anything heavy. A worker (or --threads) parses
+# its flags first, so that a bad one is refused without importing MXNet (_import_mxnet).
+if os.environ.get("DMLC_ROLE") in ("scheduler", "server"):
+    __import__("mxnet")  # does not return
+
+import argparse  # noqa: E402
+import threading  # noqa: E402
+from collections import namedtuple  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+#: MXNet and its modules, once _import_mxnet() has run.
+mx = autograd = gluon = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -45,6 +50,13 @@ _INIT_LOCK = threading.Lock()  # worker threads must not share a global RNG whil
 #: One rank's result: loss on its shard before and after, and the residual watch's message
 #: (the kvstore's stats()["residual_growth"]), None when it stayed silent.
 Outcome = namedtuple("Outcome", "before after residual_growth")
+
+
+def _import_mxnet():
+    """Import MXNet (and register SlimGC's kvstore with it) into this module's names."""
+    global mx, autograd, gluon
+    import mxnet as mx
+    from mxnet import autograd, gluon
 
 
 def make_net(inputs, hidden=HIDDEN, seed=0):
@@ -100,6 +112,7 @@ def train_rank(kv, codec, options=None, steps=STEPS, lr=LR, momentum=MOMENTUM, d
 def in_threads(workers, codec, options=None, **job):
     """train_rank(**job) on `workers` threads sharing a ThreadGroup transport; an Outcome
     per rank."""
+    _import_mxnet()
     from slimgc_mx.mxnet.kvstore import SlimGC
     from slimgc_mx.transport import ThreadGroup
     group = ThreadGroup(workers)
@@ -177,6 +190,7 @@ def main(argv=None):
     if args.threads:
         runs = list(enumerate(in_threads(args.threads, args.codec, options, **job)))
     else:
+        _import_mxnet()
         kv = mx.kv.create("slimgc")
         runs = [(kv.rank, train_rank(kv, args.codec, options, **job))]
     ok = True
