@@ -716,13 +716,20 @@ def _pack(vals, lens, count):
     return block_words, (stream.reshape(-1, 24) * weights).sum(axis=1)
 
 
-def _peek(words, pos, width):
-    """`width` (<= 40) bits at bit positions `pos` of a 24-bit word stream (uint64, with 3
-    zero words of padding)."""
-    q, s = pos // 24, (pos % 24).astype(np.uint64)
-    w64 = (words[q] << np.uint64(40)) | (words[q + 1] << np.uint64(16)) \
-        | (words[q + 2] >> np.uint64(8))
-    return ((w64 >> (np.uint64(64 - width) - s)) & np.uint64((1 << width) - 1)).astype(np.int64)
+def _windows(words):
+    """Per word of a 24-bit word stream (uint64, with 3 zero words of padding): the 64 bits
+    from its first bit on (that word, the next and 16 bits of the one after), for _peek."""
+    return (words[:-2] << np.uint64(40)) | (words[1:-1] << np.uint64(16)) \
+        | (words[2:] >> np.uint64(8))
+
+
+def _peek(windows, pos, width):
+    """`width` (<= 40) bits at bit positions `pos` of a 24-bit word stream, read from its
+    _windows."""
+    q, s = np.divmod(pos, 24)
+    w64 = windows[q]
+    return ((w64 >> (np.uint64(64 - width) - s.astype(np.uint64)))
+            & np.uint64((1 << width) - 1)).astype(np.int64)
 
 
 def _unpack(words, starts, counts, table):
@@ -731,7 +738,7 @@ def _unpack(words, starts, counts, table):
     bit positions by pointer doubling. (values (blocks, BLOCK), exponents, end bits)."""
     max_bits = table.max_bits
     total = 24 * words.shape[0]
-    padded = np.concatenate((words.astype(np.uint64), np.zeros(3, np.uint64)))
+    padded = _windows(np.concatenate((words.astype(np.uint64), np.zeros(3, np.uint64))))
     p = np.arange(total, dtype=np.int64)
     entry = table.lut[_peek(padded, p, max_bits)].astype(np.int64)
     sym, n1 = entry & 0xFF, entry >> 8
