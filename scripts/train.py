@@ -32,8 +32,10 @@ if __name__ == "__main__" and _framework(sys.argv[1:]) == "torch":
     sys.exit(0)
 
 # Scheduler and server processes of a dist job enter their loop inside `import mxnet`
-# and exit there, so it comes before anything heavy.
-import mxnet as mx  # noqa: E402  (must stay first)
+# and exit there, so for them it comes before anything heavy. A worker imports MXNet after
+# its flags are parsed (below build_parser), so that a bad one is refused without it.
+if os.environ.get("DMLC_ROLE") in ("scheduler", "server"):
+    __import__("mxnet")  # does not return
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
@@ -43,18 +45,18 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
-from mxnet import autograd, gluon  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import slimgc_mx  # noqa: E402  (registers the kvstore; imports nothing else)
+import slimgc_mx  # noqa: E402  (registers the kvstore once MXNet is imported)
 import slimgc_mx.resume  # noqa: E402
 from slimgc_mx import codecs  # noqa: E402
-from slimgc_mx.bench import datasets, models  # noqa: E402
-from slimgc_mx.bench.jobtools import (codec_options, comm_threshold, load_shard,  # noqa: E402
-                                      positive_int, progress_bar, summary_line, write_results)
+from slimgc_mx.bench import datasets  # noqa: E402
+from slimgc_mx.bench.jobtools import (MODELS, codec_options, comm_threshold,  # noqa: E402
+                                      load_shard, positive_int, progress_bar, summary_line,
+                                      write_results)
 
 KVSTORES = ("slimgc", "dist_sync", "horovod", "local")
 COMPRESSORS = tuple(codecs.available()) + ("fp16",)
@@ -105,7 +107,7 @@ def build_parser():
                    help="slimgc: compressed tensors below this size share one compressed "
                         "bucket (Cupcake; docs/configuration.md; default: the library's, off)")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", choices=sorted(models.MODELS), default="cnn1d",
+    g.add_argument("--model", choices=sorted(MODELS), default="cnn1d",
                    help="mlp, fc: any inputs, flattened; cnn1d: 1-D signals; resnet20, vgg: "
                         "(3,32,32) images")
     g.add_argument("--dataset", choices=sorted(datasets.DATASETS), default="mnist1d",
@@ -148,6 +150,15 @@ def build_parser():
                         "progress in logs, where the bar is not shown")
     g.add_argument("--no-hybridize", action="store_true", help="run the model imperatively")
     return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # a bad flag, or --help, exits here, before MXNet's import
+
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
+
+from slimgc_mx.bench import models  # noqa: E402
 
 
 def import_horovod():

@@ -24,7 +24,8 @@ def _train_torch():
 
 def test_the_torch_models_have_the_gluon_models_tensors():
     mx = pytest.importorskip("mxnet")
-    from slimgc_mx.bench import models, torch_models
+    from slimgc_mx.bench import jobtools, models, torch_models
+    assert sorted(models.MODELS) == sorted(torch_models.MODELS) == sorted(jobtools.MODELS)
     for name, shape in [("mlp", (40,)), ("fc", (3, 32, 32)), ("cnn1d", (40,)),
                         ("cnn1d", (2, 40)), ("resnet20", (3, 32, 32)), ("vgg", (3, 64, 64))]:
         gluon = models.get_model(name, 10, shape)

@@ -7,6 +7,10 @@ import sys
 
 import numpy as np
 
+#: The models of both scripts, by --model name: bench/models.py builds them in Gluon,
+#: bench/torch_models.py in PyTorch with the same tensors; here without either framework.
+MODELS = ("cnn1d", "fc", "mlp", "resnet20", "vgg")
+
 
 def load_shard(args, rank, num_workers):
     """(this worker's shard of --dataset, steps per epoch): the batches it holds, at most
