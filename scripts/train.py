@@ -152,8 +152,21 @@ def build_parser():
     return p
 
 
-if __name__ == "__main__":
-    build_parser().parse_args()  # a bad flag, or --help, exits here, before MXNet's import
+def check_checkpoint_dir(parser, path):
+    """A usage error when --checkpoint-dir, or a folder above it, is a file."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        parser.error("--checkpoint-dir %s: %s is a file, not a directory; give a directory "
+                     "(created if missing), or move the file away" % (path, here))
+
+
+if __name__ == "__main__":  # a bad flag, or --help, exits here, before MXNet's import
+    _parser = build_parser()
+    _args = _parser.parse_args()
+    if _args.checkpoint_dir:
+        check_checkpoint_dir(_parser, _args.checkpoint_dir)
 
 import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
@@ -211,16 +224,6 @@ def make_kvstore(args):
         sys.exit(2)
     args.compressor = kv.config.compressor
     return kv, params
-
-
-def check_checkpoint_dir(parser, path):
-    """A usage error when --checkpoint-dir, or a folder above it, is a file."""
-    here = os.path.abspath(path)
-    while not os.path.exists(here) and os.path.dirname(here) != here:
-        here = os.path.dirname(here)
-    if not os.path.isdir(here):
-        parser.error("--checkpoint-dir %s: %s is a file, not a directory; give a directory "
-                     "(created if missing), or move the file away" % (path, here))
 
 
 class PushThenPullTrainer(gluon.Trainer):
