@@ -33,7 +33,7 @@ BUILD = textwrap.dedent("""\
     from Cython.Build import cythonize
     from setuptools import Extension, setup
     ext = Extension("recipe_kernels", ["kernels.pyx"], include_dirs=[numpy.get_include(), "."],
-                    extra_compile_args=["-O1", "-fopenmp"], extra_link_args=["-fopenmp"],
+                    extra_compile_args=["-O0", "-fopenmp"], extra_link_args=["-fopenmp"],
                     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
     setup(name="recipe", script_args=["build_ext", "--inplace", "-q"],
           ext_modules=cythonize([ext], language_level=3, quiet=True, compiler_directives={
