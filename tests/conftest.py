@@ -5,7 +5,9 @@ packages are installed (requirements.txt installs them all).
 A test marked multiprocess is marked slow as well, so that the quick tier
 (bash scripts/run.sh test --quick: pytest -m "not slow") leaves it out; the longest files
 run first. mnist1d_dir: the MNIST-1D arrays, generated once per session, for the launched jobs that train on them."""
+import fcntl
 import importlib.util
+import os
 
 import pytest
 
@@ -83,11 +85,16 @@ def _long_rank(path):
 
 @pytest.fixture(scope="session")
 def mnist1d_dir(tmp_path_factory):
-    """A folder holding MNIST-1D's arrays, generated once for the session: a launched job
-    given it as SLIMGC_DATA_DIR loads them, where each of its workers would otherwise
-    generate them again (seconds of CPU each)."""
+    """A folder holding MNIST-1D's arrays, generated once for the session, parallel workers
+    (pytest -n) included: a launched job given it as SLIMGC_DATA_DIR loads them, where each
+    of its workers would otherwise generate them again (seconds of CPU each)."""
     pytest.importorskip("mnist1d")
     from slimgc_mx.bench import datasets
-    path = str(tmp_path_factory.mktemp("mnist1d"))
-    datasets.load("mnist1d", cache_dir=path)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above every worker's own
+    path = str(root / "mnist1d-shared")
+    with open(str(root / "mnist1d-shared.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker generates, the others load its file
+        datasets.load("mnist1d", cache_dir=path)
     return path
