@@ -44,19 +44,19 @@ def run_rank(code, rank, world, *args, **env):
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, port
 
 
-@pytest.mark.parametrize("keyword,env", [("timeout=5", {}), ("", {"SLIMGC_TIMEOUT": "5"})])
+@pytest.mark.parametrize("keyword,env", [("timeout=2", {}), ("", {"SLIMGC_TIMEOUT": "2"})])
 def test_rank_0_alone_fails_after_the_timeout_naming_the_missing_ranks(keyword, env):
     code, text, seconds, port = run_rank(BUILD % keyword, 0, 2, **env)
     assert code != 0 and seconds < 30, (seconds, text[-2000:])
-    assert ("rank 0 of 2: the rendezvous at 127.0.0.1:%d got 1 of 2 processes within 5 s; "
+    assert ("rank 0 of 2: the rendezvous at 127.0.0.1:%d got 1 of 2 processes within 2 s; "
             "start every rank (torchrun --nproc-per-node 2), or raise timeout" % port) in text
 
 
 def test_a_rank_without_rank_0_fails_after_the_timeout_naming_the_host():
-    code, text, seconds, port = run_rank(BUILD % "timeout=3", 1, 2)
+    code, text, seconds, port = run_rank(BUILD % "timeout=2", 1, 2)
     assert code != 0 and seconds < 30, (seconds, text[-2000:])
     assert "rank 1 of 2: no rendezvous at 127.0.0.1:%d after " % port in text, text[-2000:]
-    assert "(rank 0 hosts it; timeout 3 s): start every rank" in text
+    assert "(rank 0 hosts it; timeout 2 s): start every rank" in text
 
 
 def test_the_users_own_group_is_left_alone(tmp_path):
