@@ -341,8 +341,9 @@ def run_config(config, model, procs, args, work):
 def run_reusing_ranks(configs, model, procs, args, work, report):
     """--reuse-ranks: `configs` one after another in the same `procs` rank processes (one
     process group); each config's record, in order, goes to report(record) as it finishes
-    (wall_s: since the one before it finished). A config that fails or passes --timeout is
-    recorded as run_config records it, and the configs after it run in fresh ranks."""
+    (wall_s: from the one before it to its last rank's result). A config that fails or
+    passes --timeout is recorded as run_config records it, and the configs after it run in
+    fresh ranks."""
     while configs:
         folder = tempfile.mkdtemp(prefix="%s-%d-reused-" % (model, procs), dir=work)
         running, logs, outs = _start_ranks(
@@ -351,16 +352,20 @@ def run_reusing_ranks(configs, model, procs, args, work, report):
         done, since, failed_at, late = 0, time.time(), None, None
 
         def finish(record, codes):
-            record["wall_s"] = round(time.time() - since, 1)
+            """Report configs[done]'s record; when it ended (its last result written)."""
+            written = [os.path.getmtime(p) for p in results[done] if os.path.exists(p)]
+            end = max(written) if len(written) == procs else time.time()
+            record["wall_s"] = round(max(0.0, end - since), 1)
             report(_settle(record, _read_ranks(results[done]), codes, logs))
+            return end
 
         while True:
             codes = [p.poll() for p in running]
             # every config but the last is settled once its results are written; the last
             # when the ranks have exited (their exit codes count for it)
             while done < len(configs) - 1 and all(map(os.path.exists, results[done])):
-                finish(_new_record(configs[done], model, procs), [None] * procs)
-                done, since = done + 1, time.time()
+                since = finish(_new_record(configs[done], model, procs), [None] * procs)
+                done += 1
             if all(c is not None for c in codes):
                 break
             now = time.time()
@@ -377,8 +382,8 @@ def run_reusing_ranks(configs, model, procs, args, work, report):
         codes = [p.returncode for p in running]
         while late is None and done < len(configs) - 1 and all(
                 map(os.path.exists, results[done])):
-            finish(_new_record(configs[done], model, procs), [None] * procs)
-            done, since = done + 1, time.time()
+            since = finish(_new_record(configs[done], model, procs), [None] * procs)
+            done += 1
         finish(late or _new_record(configs[done], model, procs), codes)
         configs = configs[done + 1:]
 
