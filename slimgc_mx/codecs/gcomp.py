@@ -732,6 +732,14 @@ def _peek(windows, pos, width):
             & np.uint64((1 << width) - 1)).astype(np.int64)
 
 
+def _peek_every(windows, words, width):
+    """_peek at every bit position of the `words` words, in order: each window shifted by
+    the 24 offsets within its word."""
+    shifts = np.uint64(64 - width) - np.arange(24, dtype=np.uint64)
+    return ((windows[:words, None] >> shifts) & np.uint64((1 << width) - 1)).astype(
+        np.int64).ravel()
+
+
 def _unpack(words, starts, counts, table):
     """Decode blocks of one contiguous word stream: block b starts at word starts[b] and
     holds counts[b] values. Every record's position comes from the record lengths at all
@@ -740,11 +748,13 @@ def _unpack(words, starts, counts, table):
     total = 24 * words.shape[0]
     padded = _windows(np.concatenate((words.astype(np.uint64), np.zeros(3, np.uint64))))
     p = np.arange(total, dtype=np.int64)
-    entry = table.lut[_peek(padded, p, max_bits)].astype(np.int64)
+    entry = table.lut[_peek_every(padded, words.shape[0], max_bits)].astype(np.int64)
     sym, n1 = entry & 0xFF, entry >> 8
     esc = sym == ESC
     n1 = np.minimum(n1, max_bits)  # an unassigned prefix (0xFFFF) is caught below
-    e = np.where(esc, _peek(padded, np.minimum(p + n1, total), 8), sym)
+    e = sym.copy()  # an escape's raw exponent follows its code (read where there is one)
+    at = np.flatnonzero(esc)
+    e[at] = _peek(padded, np.minimum(at + n1[at], total), 8)
     n_exp = n1 + 8 * esc
     level = _peek(padded, np.minimum(p + n_exp, total), 3) & 3
     rec = np.where(e == 0, n_exp, n_exp + REST_BITS - 6 * level)
