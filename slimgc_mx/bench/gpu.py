@@ -1,13 +1,14 @@
 """GPU benchmark of the PyTorch adapter: peak memory, samples/s and step composition.
 
 Issue 32's Fig. 14 (peak GPU memory and samples/s of DDP, its hooks, GPU 2bit with error
-feedback and SlimGC) and Fig. 12/13 (a step's compute, copies, encode, transfer and overlap
-for all-GPU compression, all-CPU offload and the CTTab's placement, with and without
-backup), and the device path. Each configuration runs in fresh processes (P ranks sharing
-one device on loopback: an NCCL group for one rank on a GPU, else Gloo; --backend), so peak memory never leaks from one into the next; a configuration that
-fails or hangs is recorded and the next one runs (--reuse-ranks: on the CPU, the configs in
-the same ranks, one after another). The measured compute and codec times are
-projected onto 10 and 100 Gbit/s links with the pieces of the cost model (scale.py).
+feedback and SlimGC) and Fig. 12/13 (a step's compute, copies, encode, transfer and
+overlap for all-GPU compression, all-CPU offload and the CTTab's placement, with and
+without backup), and the device path. Each configuration runs in fresh processes (P ranks
+sharing one device on loopback: an NCCL group for one rank on a GPU, else Gloo;
+--backend), so peak memory never leaks from one into the next; a configuration that fails
+or hangs is recorded and the next one runs (--reuse-ranks: on the CPU, the configs in the
+same ranks, one after another). The measured compute and codec times are projected onto 10
+and 100 Gbit/s links with the pieces of the cost model (scale.py).
 
 torch is imported lazily: `python -m slimgc_mx.bench` keeps working without it.
 """
