@@ -188,9 +188,7 @@ class DevicePath:
 
     # what the optimizer reads and sets of the step
     counts = property(lambda self: self.device.counts)
-    routes = property(lambda self: self.engine.routes)
     step_count = property(lambda self: self.engine.step_count)
-    overlap = property(lambda self: self.engine.overlap)
     last_norm = property(lambda self: self.engine.last_norm)
     check = property(lambda self: self.engine.check,
                      lambda self, value: setattr(self.engine, "check", value))
