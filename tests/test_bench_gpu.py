@@ -178,6 +178,31 @@ def test_the_gpu_2bit_hook_without_the_device_codec_feeds_back_its_error():
     assert torch.allclose(out + e["residual"], sent)
 
 
+class _Exited:
+    """A rank process of the mocked harness that has exited with `code`."""
+
+    pid = 0
+
+    def __init__(self, code):
+        self.returncode = code
+
+    def poll(self):
+        return self.returncode
+
+
+def _write_result(path, rank, ms_step):
+    """A rank's result file, as a rank of the harness writes it."""
+    with open(path, "w") as f:
+        json.dump({"rank": rank, "ms_step": ms_step, "samples_per_s": 1.0, "peak_gib": None,
+                   "ms_fwd_bwd": 0.5, "ms_opt_step": 0.5}, f)
+
+
+def _cpu_args(gpu, tmp_path, *more):
+    """The mocked harness's arguments: one tiny step on the CPU."""
+    return gpu.parse_args(["--batch", "2", "--steps", "1", "--warmup", "0", "--device", "cpu",
+                           "--timeout", "5", "--out", str(tmp_path)] + list(more), "gpu")
+
+
 def test_a_rank_that_aborts_at_exit_after_its_result_keeps_it(tmp_path, monkeypatch):
     """The known abort at exit follows the measured steps: the row stays, noted; any other
     failure, or a missing result, is still an error."""
@@ -187,26 +212,15 @@ def test_a_rank_that_aborts_at_exit_after_its_result_keeps_it(tmp_path, monkeypa
         out, rank = cmd[-1], int(env["RANK"])
         code = dict(ok=0, abort=-6, crash=-11)[MODE[rank]]
         if MODE[rank] != "crash":
-            with open(out, "w") as f:
-                json.dump({"rank": rank, "ms_step": 1.0, "samples_per_s": 1.0, "peak_gib": None,
-                           "ms_fwd_bwd": 0.5, "ms_opt_step": 0.5}, f)
+            _write_result(out, rank, 1.0)
         if code:
             stdout.write(gpu.EXIT_ABORT + "\n" if code == -6 else "Segmentation fault\n")
             stdout.flush()
-
-        class Done:
-            returncode = code
-            pid = 0
-
-            def poll(self):
-                return code
-
-        return Done()
+        return _Exited(code)
 
     monkeypatch.setattr(gpu.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(gpu, "_kill", lambda running: None)
-    args = gpu.parse_args(["--batch", "2", "--steps", "1", "--warmup", "0", "--device", "cpu",
-                           "--timeout", "5", "--out", str(tmp_path)], "gpu")
+    args = _cpu_args(gpu, tmp_path)
     MODE = ["ok", "abort"]
     kept = gpu.run_config("no-ddp", "tiny", 2, args, str(tmp_path))
     assert kept["status"] == "ok" and kept["exit_abort"] == [1] and len(kept["ranks"]) == 2
@@ -237,23 +251,12 @@ def test_reused_ranks_record_a_failing_config_and_run_the_ones_after_it_afresh(t
                 stdout.write("Segmentation fault\n" if rank else "Connection closed\n")
                 stdout.flush()
                 break
-            with open(gpu._config_out(cmd[-1], i), "w") as f:
-                json.dump({"rank": rank, "ms_step": 1.0 + i, "samples_per_s": 1.0,
-                           "peak_gib": None, "ms_fwd_bwd": 0.5, "ms_opt_step": 0.5}, f)
-
-        class Done:
-            returncode = code
-            pid = 0
-
-            def poll(self):
-                return code
-
-        return Done()
+            _write_result(gpu._config_out(cmd[-1], i), rank, 1.0 + i)
+        return _Exited(code)
 
     monkeypatch.setattr(gpu.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(gpu, "_kill", lambda running: None)
-    args = gpu.parse_args(["--batch", "2", "--steps", "1", "--warmup", "0", "--device", "cpu",
-                           "--timeout", "5", "--out", str(tmp_path), "--reuse-ranks"], "gpu")
+    args = _cpu_args(gpu, tmp_path, "--reuse-ranks")
     assert args.reuse_ranks
     got = []
     configs = ["no-ddp", "ddp", "ddp-fp16", "slimgc-offload"]

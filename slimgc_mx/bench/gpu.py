@@ -313,6 +313,22 @@ def _timed_out(record, args):
                   "killed" % args.timeout)
 
 
+def _verdict(codes, since, args, failed_at):
+    """What the rank processes' exit `codes` say of a config begun at `since`: 'exited',
+    'timeout' (past --timeout), 'failed' (a rank failed over 10 s ago: the others wait on
+    its collectives) or None (go on); with when a rank was first seen failed."""
+    if all(c is not None for c in codes):
+        return "exited", failed_at
+    now = time.time()
+    if now - since > args.timeout:
+        return "timeout", failed_at
+    if any(c not in (None, 0) for c in codes):
+        failed_at = failed_at or now
+        if now - failed_at > 10:
+            return "failed", failed_at
+    return None, failed_at
+
+
 def run_config(config, model, procs, args, work):
     """One config at `procs` ranks, in fresh processes: a record with each rank's result,
     or the error / timeout that stopped it."""
@@ -322,17 +338,11 @@ def run_config(config, model, procs, args, work):
     record = _new_record(config, model, procs)
     failed_at = None
     while True:
-        codes = [p.poll() for p in running]
-        if all(c is not None for c in codes):
-            break
-        now = time.time()
-        if now - start > args.timeout:
+        state, failed_at = _verdict([p.poll() for p in running], start, args, failed_at)
+        if state == "timeout":
             _timed_out(record, args)
+        if state:
             break
-        if any(c not in (None, 0) for c in codes):
-            failed_at = failed_at or now
-            if now - failed_at > 10:  # the others wait on the failed rank's collectives
-                break
         time.sleep(0.2)
     _kill(running)
     record["wall_s"] = round(time.time() - start, 1)
@@ -360,32 +370,29 @@ def run_reusing_ranks(configs, model, procs, args, work, report):
             report(_settle(record, _read_ranks(results[done]), codes, logs))
             return end
 
-        while True:
-            codes = [p.poll() for p in running]
-            # every config but the last is settled once its results are written; the last
-            # when the ranks have exited (their exit codes count for it)
+        def finish_written():
+            """Every config but the last is settled once its results are written; the last
+            when the ranks have exited (their exit codes count for it)."""
+            nonlocal done, since
             while done < len(configs) - 1 and all(map(os.path.exists, results[done])):
                 since = finish(_new_record(configs[done], model, procs), [None] * procs)
                 done += 1
-            if all(c is not None for c in codes):
-                break
-            now = time.time()
-            if now - since > args.timeout:
+
+        while True:
+            codes = [p.poll() for p in running]
+            finish_written()
+            state, failed_at = _verdict(codes, since, args, failed_at)
+            if state == "timeout":
                 late = _new_record(configs[done], model, procs)
                 _timed_out(late, args)
+            if state:
                 break
-            if any(c not in (None, 0) for c in codes):
-                failed_at = failed_at or now
-                if now - failed_at > 10:  # the others wait on the failed rank's collectives
-                    break
             time.sleep(0.2)
         _kill(running)
-        codes = [p.returncode for p in running]
-        while late is None and done < len(configs) - 1 and all(
-                map(os.path.exists, results[done])):
-            since = finish(_new_record(configs[done], model, procs), [None] * procs)
-            done += 1
-        finish(late or _new_record(configs[done], model, procs), codes)
+        if late is None:
+            finish_written()
+        finish(late or _new_record(configs[done], model, procs),
+               [p.returncode for p in running])
         configs = configs[done + 1:]
 
 
