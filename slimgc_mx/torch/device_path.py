@@ -144,7 +144,6 @@ class DevicePath:
         self.config = config
         self.num_workers, self.rank = transport.num_workers, transport.rank
         self.group = group
-        self._nccl = group is not None and dist.get_backend(group) == "nccl"
         codec = make_codec(config)
         threshold = config.comm_threshold
         auto = threshold == "auto"
@@ -284,9 +283,9 @@ class DevicePath:
                  "glo_buf, the optimizer's state and the residuals offloaded to %shost "
                  "memory, staged on %s for each bucket's pass"
                  % ("pinned " if self._copies.cuda else "", self.buckets[0].device))
+        wire = "NCCL" if self.device.nccl else "Gloo" if self.group is not None else "no group"
         return ("data path: device: %s, %d buckets (%s) summed over %s%s" % (
-                    where, len(self.buckets), kind,
-                    "NCCL" if self._nccl else "Gloo" if self.group is not None else "no group",
+                    where, len(self.buckets), kind, wire,
                     "" if self.engine.overlap != "off" else ", started in step()"))
 
     # -- checkpoint state ----------------------------------------------------------------------
@@ -357,7 +356,7 @@ class TorchStep:
     def __init__(self, device, group, n_tail):
         self._wire = Collectives(group) if group is not None else None
         self.sums = self._wire is not None
-        self._nccl = group is not None and dist.get_backend(group) == "nccl"
+        self.nccl = group is not None and dist.get_backend(group) == "nccl"
         self._cuda = device.type == "cuda"
         self.counts = CopyCounts()
         self.tail = torch.zeros(n_tail, dtype=torch.float64, device=device)
@@ -437,7 +436,7 @@ class TorchStep:
         """NCCL: on a side stream, wait for the tail's sum and copy it into pinned memory;
         the event after the copy (the compute stream does not wait: the next forward runs
         while the sums travel). None otherwise: read_tail waits for Gloo and copies."""
-        if not (self.tail.is_cuda and self._nccl):
+        if not (self.tail.is_cuda and self.nccl):
             return None
         if self._side is None:
             self._side = torch.cuda.Stream(self.tail.device)
