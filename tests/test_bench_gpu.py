@@ -20,8 +20,10 @@ CONFIGS = ["no-ddp", "ddp", "ddp-fp16", "ddp-gpu-1bit", "slimgc-offload",
            "slimgc-device-cttab", "slimgc-device-nooverlap", "slimgc-device-offload"]
 
 
-def _bench(*args, timeout=240):
+def _bench(*args, timeout=240, tmpdir=None):
     env = dict(os.environ, PYTHONPATH=ROOT)
+    if tmpdir is not None:  # where the ranks' folders go (and must be gone from, after)
+        env["TMPDIR"] = str(tmpdir)
     for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "slimgc_mx.bench", "gpu"] + list(args),
@@ -36,12 +38,15 @@ TWO_RANKS = ["ddp", "ddp-gpu-1bit", "slimgc-offload", "slimgc-device-cttab",
 @pytest.mark.slow
 def test_tiny_model_on_the_cpu_at_one_and_two_ranks(tmp_path):
     docs, outs = [], []
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     for procs, configs in (("1", CONFIGS), ("2", TWO_RANKS)):
         out = tmp_path / ("p" + procs)
         r = _bench("--model", "tiny", "--device", "cpu", "--procs", procs, "--steps", "3",
                    "--warmup", "1", "--configs", ",".join(configs), "--out", str(out),
-                   "--reuse-ranks")
+                   "--reuse-ranks", tmpdir=scratch)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert not [p.name for p in scratch.iterdir() if p.name.startswith("slimgc-")]
         docs.append(json.loads((out / "results.json").read_text()))
         outs.append((out, r))
     got = {(x["procs"], x["config"]): x for doc in docs for x in doc["results"]}

@@ -445,7 +445,6 @@ def main(argv=None, prog="python -m slimgc_mx.bench gpu"):
         placement = placement_support()
         if placement:
             print("slimgc-placement skipped: %s" % placement, flush=True)
-    work = tempfile.mkdtemp(prefix="slimgc-bench-gpu-")
     doc = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "results": []}
     started = time.time()
 
@@ -453,19 +452,22 @@ def main(argv=None, prog="python -m slimgc_mx.bench gpu"):
         doc["results"].append(rec)
         print(_progress(rec), flush=True)
         _write_json(doc, args.out)
-    for model in args.model:
-        for procs in args.procs:
-            for skip, configs in itertools.groupby(
-                    args.configs, lambda c: bool("placement" in c and placement)):
-                configs = list(configs)
-                if skip:
-                    for config in configs:
-                        report(_skip_record(config, model, procs, placement))
-                elif args.reuse_ranks:
-                    run_reusing_ranks(configs, model, procs, args, work, report)
-                else:
-                    for config in configs:
-                        report(run_config(config, model, procs, args, work))
+    # the ranks' folders (specs, logs, results): read into the records, then removed
+    with tempfile.TemporaryDirectory(prefix="slimgc-bench-gpu-",
+                                     ignore_cleanup_errors=True) as work:
+        for model in args.model:
+            for procs in args.procs:
+                for skip, configs in itertools.groupby(
+                        args.configs, lambda c: bool("placement" in c and placement)):
+                    configs = list(configs)
+                    if skip:
+                        for config in configs:
+                            report(_skip_record(config, model, procs, placement))
+                    elif args.reuse_ranks:
+                        run_reusing_ranks(configs, model, procs, args, work, report)
+                    else:
+                        for config in configs:
+                            report(run_config(config, model, procs, args, work))
     doc["wall_s"] = round(time.time() - started, 1)
     doc["projection"] = projection(doc["results"], args.project_workers, args.batch)
     doc["checks"] = checks(doc["results"])

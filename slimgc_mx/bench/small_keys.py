@@ -116,19 +116,20 @@ def ratios(result, warmup):
 def main(argv, prog):
     args = parse_args(argv, prog)
     warmup = int(args.options_dict.get("warmup_steps", 20))
-    work = tempfile.mkdtemp(prefix="small-keys-")
     runs = {label: [] for label, _ in args.builds}
     print("small keys: %d tensors of 4 elements, 2 ranks, %d steps, options %s; %d rounds "
           "of %s" % (args.params, args.steps, args.options, args.rounds,
                      ", ".join(label for label, _ in args.builds)), flush=True)
     for r in range(args.rounds):
         for label, root in args.builds:
-            folder = tempfile.mkdtemp(prefix="r%d-" % r, dir=work)
-            try:
-                got = ratios(run_once(root, args, folder), warmup)
-            except (RuntimeError, OSError, ValueError, KeyError) as exc:
-                print("round %d, %s: failed: %s" % (r + 1, label, exc), file=sys.stderr)
-                return 1
+            # the ranks' spec, logs and results: read (a failure quotes the logs), then removed
+            with tempfile.TemporaryDirectory(prefix="small-keys-r%d-" % r,
+                                             ignore_cleanup_errors=True) as folder:
+                try:
+                    got = ratios(run_once(root, args, folder), warmup)
+                except (RuntimeError, OSError, ValueError, KeyError) as exc:
+                    print("round %d, %s: failed: %s" % (r + 1, label, exc), file=sys.stderr)
+                    return 1
             runs[label].append(got)
             print("round %d, %-14s total %.2fx DDP, median step %.2fx%s, BestCT %s" % (
                 r + 1, label, got["total"], got["median_step"],
