@@ -25,6 +25,11 @@ def _job(tmp_path, name, *args, options=()):
     out = tmp_path / name
     _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out)] + list(args), 180,
             options)
+    return _read(out)
+
+
+def _read(out):
+    """Each rank's summary and weights, as a finished tests/dist_job.py wrote them in `out`."""
     ranks = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
     weights = [dict(np.load(out / ("weights_rank%d.npz" % r))) for r in range(2)]
     return ranks, weights
@@ -89,19 +94,38 @@ def test_streamed_pieces_give_the_weights_of_whole_pushes(tmp_path):
             np.testing.assert_array_equal(w_streamed[rank][name], w_whole[rank][name])
 
 
+def _lanes_command(out, steps):
+    """A 2bit job compressing every tensor that saves each transfer's sent and summed lanes."""
+    return [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor", "2bit",
+            "--comm-threshold", "off", "--steps", str(steps), "--record-lanes"]
+
+
+@pytest.fixture(scope="module")
+def exact_lanes_job(tmp_path_factory):
+    """The lanes job with the default placement and lane dtype (float64 lanes on the
+    launcher's exact servers): test_servers_sum_packed_lanes_exactly[None-None] reads its
+    lanes, test_float32_lanes_equal_float64_lanes_on_exact_servers its weights as the
+    float64 run. Recording lanes only copies them, so the weights are the job's own."""
+    out = tmp_path_factory.mktemp("exact") / "lanes"
+    _launch(2, 2, _lanes_command(out, 6), 180)
+    return out
+
+
 @pytest.mark.parametrize("bound, piece_bytes", [(None, None), (32, None), (None, 128)])
-def test_servers_sum_packed_lanes_exactly(tmp_path, bound, piece_bytes):
+def test_servers_sum_packed_lanes_exactly(tmp_path, request, bound, piece_bytes):
     # The server's float64 sum of the workers' lanes must be exact: a float32 sum (MXNet 1.9.1
     # servers whose multi_precision_ flag starts set) changes the decoded levels silently.
     # With a bound of 32 elements MXNet splits the first layer's ~94 lanes over both servers
     # and sends the second layer's ~30 whole; with 128-byte pieces every layer's lanes go as
     # pieces of 16 lanes on alternating servers: every placement must sum exactly.
-    out = tmp_path / "lanes"
-    options = [] if bound is None else ["--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % bound]
-    if piece_bytes is not None:
-        options += ["--env", "SLIMGC_PIECE_BYTES:%d" % piece_bytes]
-    _launch(2, 2, [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor", "2bit",
-                   "--comm-threshold", "off", "--steps", "6", "--record-lanes"], 180, options)
+    if (bound, piece_bytes) == (None, None):
+        out = request.getfixturevalue("exact_lanes_job")
+    else:
+        out = tmp_path / "lanes"
+        options = [] if bound is None else ["--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % bound]
+        if piece_bytes is not None:
+            options += ["--env", "SLIMGC_PIECE_BYTES:%d" % piece_bytes]
+        _launch(2, 2, _lanes_command(out, 6), 180, options)
     info = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
     assert [i["bigarray_bound"] for i in info] == [bound or BIGARRAY_BOUND] * 2
     assert info[0]["sha256"] == info[1]["sha256"]
@@ -118,6 +142,20 @@ def test_servers_sum_packed_lanes_exactly(tmp_path, bound, piece_bytes):
         np.testing.assert_array_equal(lanes[0][name], sent, err_msg=name)
         np.testing.assert_array_equal(lanes[1][name], sent, err_msg=name)
     assert largest > 2 ** 40  # lanes that a float32 sum would have rounded
+
+
+@pytest.mark.slow
+def test_float32_lanes_equal_float64_lanes_on_exact_servers(tmp_path, exact_lanes_job):
+    # The float64 run is the lanes job: lane_dtype auto keeps float64 lanes on exact servers
+    # (lanes32 False below); the float32 run differs from it in the lane dtype alone.
+    out = tmp_path / "f32"
+    _launch(2, 2, _lanes_command(out, 6), 240, ["--env", "SLIMGC_LANE_DTYPE:float32"])
+    (i64, w64), (i32, w32) = _read(exact_lanes_job), _read(out)
+    assert (i64[0]["lanes32"], i32[0]["lanes32"]) == (False, True)
+    assert i64[0]["sha256"] == i64[1]["sha256"] == i32[0]["sha256"] == i32[1]["sha256"]
+    for name in w64[0]:
+        assert np.array_equal(w64[0][name], w32[0][name])
+    assert i32[0]["stats"]["bytes_pushed"] > i64[0]["stats"]["bytes_pushed"] * 1.05
 
 
 def test_servers_that_sum_float64_in_float32_stop_the_job_with_the_fix(tmp_path):

@@ -231,12 +231,4 @@ def test_auto_on_servers_without_the_server_environment(tmp_path, forced):
     assert warned == (1 if info[0]["lanes32"] else 0)
 
 
-@pytest.mark.slow
-def test_float32_lanes_equal_float64_lanes_on_exact_servers(tmp_path):
-    _, i64, w64 = _dist_job(tmp_path, "f64", ["--env", "SLIMGC_LANE_DTYPE:float64"])
-    _, i32, w32 = _dist_job(tmp_path, "f32", ["--env", "SLIMGC_LANE_DTYPE:float32"])
-    assert (i64[0]["lanes32"], i32[0]["lanes32"]) == (False, True)
-    assert i64[0]["sha256"] == i64[1]["sha256"] == i32[0]["sha256"] == i32[1]["sha256"]
-    for name in w64[0]:
-        assert np.array_equal(w64[0][name], w32[0][name])
-    assert i32[0]["stats"]["bytes_pushed"] > i64[0]["stats"]["bytes_pushed"] * 1.05
+# test_float32_lanes_equal_float64_lanes_on_exact_servers: in test_distributed.py (shared job)
