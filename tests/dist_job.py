@@ -89,10 +89,9 @@ def _record_lanes(kv, lanes):
             return push_pull(wire_key, send, recv, priority, in_pieces)
         n = counts[wire_key] = counts.get(wire_key, -1) + 1
         name = "%d_%d" % (wire_key, n)
-        if in_pieces:  # a streamed push: its pieces are written by engine operators
-            for piece in send.pieces(transport.pieces(wire_key)):
-                piece.wait_to_read()
-            lanes["send_" + name] = send.held().copy()
+        if in_pieces:  # a streamed push: engine operators are writing its pieces; copy each
+            # by an operator after its writer, so that each piece is still pushed when encoded
+            copies = [piece.copy() for piece in send.pieces(transport.pieces(wire_key))]
         else:
             lanes["send_" + name] = send.for_read().copy()  # before the pull overwrites it
         handle = push_pull(wire_key, send, recv, priority, in_pieces)
@@ -100,6 +99,8 @@ def _record_lanes(kv, lanes):
 
         def waited():
             wait()
+            if in_pieces:
+                lanes["send_" + name] = np.concatenate([c.asnumpy() for c in copies])
             lanes["sum_" + name] = recv.for_read().copy()
         handle.wait = waited
         return handle

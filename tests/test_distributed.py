@@ -35,6 +35,12 @@ def _read(out):
     return ranks, weights
 
 
+def _lanes_command(out, steps):
+    """A 2bit job compressing every tensor that saves each transfer's sent and summed lanes."""
+    return [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor", "2bit",
+            "--comm-threshold", "off", "--steps", str(steps), "--record-lanes"]
+
+
 @pytest.fixture(scope="module")
 def dist_sync_weights(tmp_path_factory):
     """The weights of MXNet's own dist_sync on the job, once for the tests that compare."""
@@ -77,14 +83,25 @@ def test_2bit_backup_workers_agree_and_cttab_decides(tmp_path):
     assert stats["bytes_fp32"] > 0
 
 
-def test_streamed_pieces_give_the_weights_of_whole_pushes(tmp_path):
+def _streamed_job(out, stream):
+    """2bit in 128-byte pieces, streamed ('1') or not ('0'), 8 steps, lanes recorded."""
+    _launch(2, 2, _lanes_command(out, 8), 180,
+            ["--env", "SLIMGC_PIECE_BYTES:128", "--env", "SLIMGC_STREAM:" + stream])
+    return out
+
+
+@pytest.fixture(scope="module")
+def streamed_pieces_job(tmp_path_factory):
+    """The streamed run: test_streamed_pieces_give_the_weights_of_whole_pushes reads its
+    weights, test_servers_sum_packed_lanes_exactly[None-128] its lanes. Recording copies
+    each piece in an engine operator after its writer: nothing waits, pieces still stream."""
+    return _streamed_job(tmp_path_factory.mktemp("streamed") / "lanes", "1")
+
+
+def test_streamed_pieces_give_the_weights_of_whole_pushes(tmp_path, streamed_pieces_job):
     """2bit in 128-byte pieces, each pushed as soon as the local update's operator has
     encoded it, trains bitwise as the same pieces pushed after the whole key is encoded."""
-    runs = {}
-    for stream in ("1", "0"):
-        options = ["--env", "SLIMGC_PIECE_BYTES:128", "--env", "SLIMGC_STREAM:" + stream]
-        runs[stream] = _job(tmp_path, "stream" + stream, "--kvstore", "slimgc", "--compressor",
-                            "2bit", "--comm-threshold", "off", "--steps", "8", options=options)
+    runs = {"1": _read(streamed_pieces_job), "0": _read(_streamed_job(tmp_path / "whole", "0"))}
     (streamed, w_streamed), (whole, w_whole) = runs["1"], runs["0"]
     assert streamed[0]["stats"]["streamed_transfers"] == 2 * 8  # both weights, every step
     assert whole[0]["stats"]["streamed_transfers"] == 0
@@ -92,12 +109,6 @@ def test_streamed_pieces_give_the_weights_of_whole_pushes(tmp_path):
         assert streamed[rank]["sha256"] == whole[rank]["sha256"]
         for name in w_whole[rank]:
             np.testing.assert_array_equal(w_streamed[rank][name], w_whole[rank][name])
-
-
-def _lanes_command(out, steps):
-    """A 2bit job compressing every tensor that saves each transfer's sent and summed lanes."""
-    return [sys.executable, "tests/dist_job.py", "--out", str(out), "--compressor", "2bit",
-            "--comm-threshold", "off", "--steps", str(steps), "--record-lanes"]
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +129,17 @@ def test_servers_sum_packed_lanes_exactly(tmp_path, request, bound, piece_bytes)
     # With a bound of 32 elements MXNet splits the first layer's ~94 lanes over both servers
     # and sends the second layer's ~30 whole; with 128-byte pieces every layer's lanes go as
     # pieces of 16 lanes on alternating servers: every placement must sum exactly.
+    steps = 6
     if (bound, piece_bytes) == (None, None):
         out = request.getfixturevalue("exact_lanes_job")
+    elif (bound, piece_bytes) == (None, 128):  # streamed, as by default; 8 steps
+        out, steps = request.getfixturevalue("streamed_pieces_job"), 8
     else:
         out = tmp_path / "lanes"
         options = [] if bound is None else ["--env", "MXNET_KVSTORE_BIGARRAY_BOUND:%d" % bound]
         if piece_bytes is not None:
             options += ["--env", "SLIMGC_PIECE_BYTES:%d" % piece_bytes]
-        _launch(2, 2, _lanes_command(out, 6), 180, options)
+        _launch(2, 2, _lanes_command(out, steps), 180, options)
     info = [json.loads((out / ("rank%d.json" % r)).read_text()) for r in range(2)]
     assert [i["bigarray_bound"] for i in info] == [bound or BIGARRAY_BOUND] * 2
     assert info[0]["sha256"] == info[1]["sha256"]
@@ -134,7 +148,7 @@ def test_servers_sum_packed_lanes_exactly(tmp_path, request, bound, piece_bytes)
     assert (info[0]["stats"]["streamed_transfers"] > 0) == (piece_bytes is not None)
     lanes = [dict(np.load(out / ("lanes_rank%d.npz" % r))) for r in range(2)]
     sums = [name for name in lanes[0] if name.startswith("sum_")]
-    assert len(sums) >= 2 * 6  # both weight tensors, every step
+    assert len(sums) >= 2 * steps  # both weight tensors, every step
     largest = 0
     for name in sums:
         sent = lanes[0]["send_" + name[4:]] + lanes[1]["send_" + name[4:]]
