@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 
 from ..launch.plan import free_port
+from .jobtools import write_json
 
 DESCRIPTION = "PyTorch on a GPU: peak memory, samples/s, step composition (DDP vs SlimGC)"
 
@@ -451,7 +452,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench gpu"):
     def report(rec):
         doc["results"].append(rec)
         print(_progress(rec), flush=True)
-        _write_json(doc, args.out)
+        write_json(doc, os.path.join(args.out, "results.json"))
     # the ranks' folders (specs, logs, results): read into the records, then removed
     with tempfile.TemporaryDirectory(prefix="slimgc-bench-gpu-",
                                      ignore_cleanup_errors=True) as work:
@@ -471,7 +472,7 @@ def main(argv=None, prog="python -m slimgc_mx.bench gpu"):
     doc["wall_s"] = round(time.time() - started, 1)
     doc["projection"] = projection(doc["results"], args.project_workers, args.batch)
     doc["checks"] = checks(doc["results"])
-    _write_json(doc, args.out)
+    write_json(doc, os.path.join(args.out, "results.json"))
     table = format_table(doc)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table)
@@ -484,13 +485,6 @@ def main(argv=None, prog="python -m slimgc_mx.bench gpu"):
                                  for n in ("results.json", "table.md", "fig14.png")))
     failed = [r for r in doc["results"] if r["status"] in ("error", "timeout")]
     return 1 if failed else 0
-
-
-def _write_json(doc, out):
-    path = os.path.join(out, "results.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
 
 
 def _progress(rec):
@@ -816,22 +810,16 @@ def run_rank(spec, keep_group=False):
     return out
 
 
-def _write_result(result, out_path):
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(out_path + ".tmp", out_path)
-
-
 def _worker_main(argv):
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
     if isinstance(spec, list):  # --reuse-ranks: the configs in turn, in one process group
         for i, one in enumerate(spec):
-            _write_result(run_rank(one, keep_group=i < len(spec) - 1),
+            write_json(run_rank(one, keep_group=i < len(spec) - 1),
                           _config_out(out_path, i))
         return 0
-    _write_result(run_rank(spec), out_path)
+    write_json(run_rank(spec), out_path)
     return 0
 
 
