@@ -162,11 +162,18 @@ def check_checkpoint_dir(parser, path):
                      "(created if missing), or move the file away" % (path, here))
 
 
+def parse_args(argv=None):
+    """The command line's flags, a bad one (or a --checkpoint-dir that is a file) refused
+    with a usage error; needs no MXNet."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.checkpoint_dir:
+        check_checkpoint_dir(parser, args.checkpoint_dir)
+    return args
+
+
 if __name__ == "__main__":  # a bad flag, or --help, exits here, before MXNet's import
-    _parser = build_parser()
-    _args = _parser.parse_args()
-    if _args.checkpoint_dir:
-        check_checkpoint_dir(_parser, _args.checkpoint_dir)
+    parse_args()
 
 import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
@@ -282,10 +289,7 @@ def main(argv=None, on_step=None):
     """
     if _framework(sys.argv[1:] if argv is None else argv) == "torch":
         return _torch_main(argv, on_step)  # (MXNet is imported already, unused)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.checkpoint_dir:
-        check_checkpoint_dir(parser, args.checkpoint_dir)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.compressor is None and args.kvstore != "slimgc":
         args.compressor = "none"
