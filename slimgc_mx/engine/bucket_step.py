@@ -325,13 +325,11 @@ class BucketStep:
         """Bucket b's sum decoded at its pass's site; in the warm-up, its route's sample
         completed (its marks read at the decision)."""
         timing, b.timing = b.timing, None
-        if timing is None:
-            stages.decode_bucket(b.sent, b, self.num_workers, self.device.counts)
-            return
-        start = self.device.mark()
+        start = self.device.mark() if timing is not None else None
         stages.decode_bucket(b.sent, b, self.num_workers, self.device.counts)
-        j, route, step, marks = timing
-        self._spans.append((j, route, step, marks + [start, self.device.mark()]))
+        if timing is not None:
+            j, route, step, marks = timing
+            self._spans.append((j, route, step, marks + [start, self.device.mark()]))
 
     # -- the CTTab per bucket (bucket_cttab.py) ------------------------------------------
     def read_spans(self):
@@ -346,8 +344,7 @@ class BucketStep:
 
     def _decide(self):
         """End of the warm-up: this rank's routes from its samples, rank 0's adopted by
-        every rank (the transport's allgather), each bucket
-        settled on its route."""
+        every rank (the transport's allgather), each bucket settled on its route."""
         self.read_spans()
         self.routes.adopt(agree(self.transport, self.routes.own_routes()))
         self.settle_routes()

@@ -133,7 +133,6 @@ def lane_group(transport_group, cuda):
     return transport_group
 
 
-
 class DevicePath:
     """A DistributedOptimizer's step on the device: its buckets, started from backward, and
     the engine's schedule over them (engine/bucket_step.py)."""
