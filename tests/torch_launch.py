@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,7 +30,8 @@ EXIT_ABORT = "terminate called without an active exception"
 
 def torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
     """Run tests/torch_jobs/SCRIPT under torchrun; (returncode, output). Ranks write to `out`.
-    Past `timeout` seconds the job, ranks included, is killed and TimeoutExpired raised. A job
+    Past `timeout` seconds the job, ranks included, is killed and TimeoutExpired raised, its
+    output (each rank's stacks at the end among it) in the exception's `output`. A job
     that fails by the known abort at exit is run once more, with a warning; a second failure
     of any kind is returned."""
     code, text = _torchrun(script, out, *args, nproc=nproc, timeout=timeout, extra=extra,
@@ -72,17 +74,24 @@ def _torchrun(script, out, *args, nproc=2, timeout=240, extra=(), env=None):
                           env=environ, cwd=ROOT, start_new_session=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             ranks = _descendants(proc.pid)  # torchrun starts them in sessions of their own
+            _signal(ranks, signal.SIGUSR1)  # each rank prints its stacks (torch_jobs/common.py)
+            time.sleep(2)
             os.killpg(proc.pid, signal.SIGKILL)
-            for pid in ranks:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            proc.communicate()
+            _signal(ranks, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            exc.output = stdout + stderr
             raise
     return proc.returncode, stdout + stderr
+
+
+def _signal(pids, number):
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except OSError:
+            pass
 
 
 def results(out, name, nproc=2):
@@ -149,7 +158,8 @@ class Batch:
                 self.code, self.text = _torchrun("batch.py", self.root, json.dumps(specs),
                                                  timeout=self.timeout)
             except subprocess.TimeoutExpired as exc:
-                self.code, self.text = -signal.SIGKILL, "the batch ran past %d s" % exc.timeout
+                self.code, self.text = -signal.SIGKILL, "%s\nthe batch ran past %d s" % (
+                    exc.output, exc.timeout)
             # the known abort at exit, after every job, changes nothing; before: once more
             if self.code == 0 or EXIT_ABORT not in self.text or self._all_done() or attempt:
                 break

@@ -5,9 +5,11 @@ __main__), its init_process_group() and destroy_process_group() calls doing noth
 since the group is made once. After a job every rank meets the others and writes
 OUT/.done_RANK. A job that raises ends the batch, its traceback in OUT/.failed_RANK, with a
 non-zero status (torchrun then stops the other ranks): the jobs after it do not run."""
+import faulthandler
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 jobs = json.loads(sys.argv[2])
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks for torch_launch's timeout
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 _destroy = dist.destroy_process_group

@@ -1,10 +1,15 @@
 """What the torch job scripts share: a model with tiny and large tensors and BatchNorm,
-per-(step, rank) data, and how a rank records its result."""
+per-(step, rank) data, and how a rank records its result. A rank that imports it prints
+every thread's stack on SIGUSR1, which torch_launch sends a job past its timeout."""
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 
 import torch
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def model(seed=0, hidden=300):
