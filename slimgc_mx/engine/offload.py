@@ -13,7 +13,10 @@ key's transfer and a third key's decoding:
                   decodes it here (Plan.decode), hand it to `finish`
 
 Any exception in a stage is kept and raised in the training thread at its next
-wait, chained to the original traceback; later transfers are dropped.
+wait, chained to the original traceback; later transfers are dropped: nothing of them is
+decoded, but each exchange announced and not yet started is still made, sending NaN
+naming this worker (Pipeline._drain), so that no peer waits for it and no transport that
+pairs exchanges by their order (TorchTransport) waits forever for one never handed.
 
 Non-finite gradients: a worker whose gradient holds NaN/Inf still takes part in
 the transfer (it sends NaN, so no other worker waits forever), and every worker
@@ -78,6 +81,7 @@ class Transfer:
     t_proc: float = 0.0  # encode + decode seconds
     nonfinite: bool = False  # this worker's gradient held NaN/Inf: it sends NaN
     round: int = 0  # the exchange under way: a position in plan.rounds
+    started: int = 0  # exchanges handed to the transport so far
     round_start: Optional[float] = None  # when the exchange under way was started
     lanes_checked: bool = False  # the sum's digit lanes were found in range (FINITE_IN_RANGE)
 
@@ -104,6 +108,11 @@ class Transfer:
     def gathers(self):
         """True when this round's result is every worker's slot side by side, not a sum."""
         return self.plan.compressed and self.exchange.route == "gather"
+
+    @property
+    def exchanges(self):
+        """How many exchanges it makes: one per round of its plan, one uncompressed."""
+        return len(self.plan.rounds) if self.plan.compressed else 1
 
     def wire_keys(self):
         """The wire keys of its exchanges, in the order they are made."""
@@ -220,6 +229,7 @@ class Pipeline:
                 except BaseException as exc:  # kept for the training thread
                     self._fail(exc, transfer)
             if self.error is not None:
+                self._drain(transfer)
                 self._done()
                 continue
             if again:  # another round of a multi-round codec
@@ -241,6 +251,28 @@ class Pipeline:
             self._on_error(exc, self.error_where)
         with self._idle:
             self._idle.notify_all()
+
+    def _drain(self, t):
+        """After a failure: t's exchanges not started yet are made all the same, sending NaN
+        naming this worker, without waiting for them (a peer may be gone); their results
+        are never read. Every peer then pairs each announced exchange, and one without a
+        failure of its own fails this sum naming this worker (NonFiniteAggregateError), as
+        after a NaN gradient. A streamed transfer is left alone: its operators send its
+        pieces."""
+        if self.stages.streamed(t.plan):
+            return
+        try:
+            for r in range(t.started, t.exchanges):
+                t.round = r
+                wire, send, recv = t.wire
+                mark_nonfinite(send.for_write(), self.transport.rank)
+                if t.gathers:
+                    self.transport.gather(wire, send, recv, t.priority)
+                else:
+                    self.transport.push_pull(wire, send, recv, t.priority)
+                t.started = r + 1
+        except BaseException:  # the first failure is the one raised; a peer may be gone
+            pass
 
     def _encode(self, t):
         start = time.perf_counter()
@@ -285,6 +317,7 @@ class Pipeline:
             else:
                 t.handle = self.transport.push_pull(wire, send, recv, t.priority,
                                                     in_pieces=self.stages.streamed(t.plan))
+            t.started = t.round + 1
             if not t.plan.serial:
                 return
             t.handle.wait()
