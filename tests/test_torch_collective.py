@@ -1,7 +1,8 @@
 """TorchTransport on a one-rank Gloo group: close() lets go of the group (so that
 destroy_process_group frees it while the interpreter is alive) once Gloo holds none of the
 tensors it was handed, and a collective asked of a closed transport fails at once instead of
-waiting for an issuer that is gone."""
+waiting for an issuer that is gone, and one behind an exchange never handed over fails after
+the timeout."""
 import numpy as np
 import pytest
 
@@ -62,6 +63,41 @@ def test_close_waits_until_gloo_has_let_go_of_every_tensor(one_rank, monkeypatch
     assert held
     assert transport.close(timeout=5)
     assert not held
+
+
+def test_a_collective_behind_an_exchange_never_handed_over_raises_instead_of_waiting(one_rank):
+    """A pipeline that announced an exchange and failed before handing it over left the
+    training thread's next collective (a forward's buffer broadcast) waiting forever."""
+    import threading
+
+    transport = TorchTransport(timeout=0.5)
+    transport.announce([("w",)])  # announced, then never handed over
+    raised = []
+
+    def broadcast():
+        try:
+            transport.broadcast_tensors([torch.zeros(2)])
+        except TimeoutError as exc:
+            raised.append(exc)
+    caller = threading.Thread(target=broadcast, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "the collective is still waiting"
+    assert raised and "exchange ('w',), announced before it, was never handed" in str(raised[0])
+    assert transport.close(timeout=5)
+
+
+def test_no_transport_starts_on_a_group_where_an_aggregation_failed(one_rank):
+    """Ranks stop at different collectives after a failed aggregation: a later transport on
+    the group would pair its collectives with those left over (tests/torch_jobs/errors.py
+    'again' in a real job)."""
+    first = TorchTransport(timeout=30)
+    second = TorchTransport(timeout=30)  # a sound one is not refused
+    assert second.close(timeout=5)
+    first.mark_uneven()
+    assert first.close(timeout=5)
+    with pytest.raises(RuntimeError, match="failed on this process group.*afresh"):
+        TorchTransport(timeout=30)
 
 
 @pytest.mark.slow

@@ -164,6 +164,10 @@ class TorchWork(TransferHandle):
         self._error = exc
         self._issued.set()
 
+    def issued(self, timeout):
+        """True once the issuing thread has started it (or failed it), within `timeout` s."""
+        return self._issued.wait(timeout)
+
     def wait(self):
         self._issued.wait()
         if self._error is not None:
@@ -267,6 +271,13 @@ class TorchTransport(Transport):
         else:  # NCCL cannot sum host lanes
             self._group = dist.new_group(backend="gloo",
                                          timeout=datetime.timedelta(seconds=timeout))
+        if self._group in _UNEVEN:
+            raise RuntimeError(
+                "an aggregation of an earlier DistributedOptimizer failed on this process "
+                "group, in this process: its ranks may have stopped at different collectives, "
+                "so a new optimizer's would pair with those left over and wait forever. Start "
+                "the processes afresh (a job per trial, or torchrun --max-restarts) after "
+                "such an error")
         self._wire = Collectives(self._group)
         self._cond = threading.Condition()
         self._order = collections.deque()  # (wire key, occurrence) in the announced order
@@ -283,6 +294,12 @@ class TorchTransport(Transport):
     def group(self):
         """The Gloo group of all ranks that this transport's collectives run on."""
         return self._group
+
+    def mark_uneven(self):
+        """Its aggregation failed: each rank stopped at its own point of the order, so no
+        later transport in this process may use the group (_UNEVEN)."""
+        if self._group is not None:
+            _UNEVEN[self._group] = True
 
     # -- the pipeline's exchanges, in the announced order ---------------------------------
     def announce(self, wire_keys):
@@ -395,9 +412,21 @@ class TorchTransport(Transport):
     # -- the training thread's collectives, in its order among the pipeline's --------------
     def run(self, start):
         """Issue `start(wire)` (a collective of Collectives `wire`) after every exchange
-        announced before it, and wait for it: for the training thread's own collectives."""
+        announced before it, and wait for it: for the training thread's own collectives.
+        TimeoutError when it is not issued within the timeout: an exchange announced
+        before it was never handed over, and the training thread must not wait forever."""
         self.announce([_SYNC])
-        self._hand(_SYNC, TorchWork(None, start)).wait()
+        work = self._hand(_SYNC, TorchWork(None, start))
+        if not work.issued(self.timeout):
+            with self._cond:
+                waiting = self._order[0][0] if self._order else None
+            raise TimeoutError(
+                "rank %d: a collective of the training thread (a buffer broadcast, a settings "
+                "check, AMP's agreement) did not start in %g s (timeout): this rank's "
+                "exchange %r, announced before it, was never handed to the transport, so "
+                "an aggregation on this rank failed or stalled; the error of the rank that "
+                "failed names the cause" % (self.rank, self.timeout, waiting))
+        work.wait()
 
     def broadcast(self, wire_key, buf):
         tensor = torch.from_numpy(buf.for_write())
@@ -437,6 +466,8 @@ class TorchTransport(Transport):
         return True
 
 
+#: The groups on which an aggregation failed in this process (TorchTransport.mark_uneven).
+_UNEVEN = weakref.WeakKeyDictionary()
 #: The transports not closed yet, closed at interpreter exit (_close_at_exit).
 _OPEN = weakref.WeakSet()
 _exit_handler = []

@@ -316,9 +316,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         before = dataclasses.replace(counts) if counts is not None else None
         try:
             return self._step(closure)
+        except BaseException:
+            self._mark_if_broken()
+            raise
         finally:
             self._last_step = (time.perf_counter() - start,
                                counts.since(before) if counts is not None else None)
+
+    def _mark_if_broken(self):
+        """A failed aggregation of the host path leaves the ranks at different collectives
+        of the group (each stops at its own point): no later optimizer may use it."""
+        mark = getattr(self._transport, "mark_uneven", None)
+        if self._agg is not None and self._agg.broken and mark is not None:
+            mark()
 
     def _counts(self):
         """The copy accounting of a device model (copies.CopyCounts), else None."""
@@ -551,6 +561,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             if self._hook is not None:
                 self._hook.remove()
+            self._mark_if_broken()
             self._agg.close(join=not self._agg.broken)
             self._transport.close(timeout=5)
             self._agg = None

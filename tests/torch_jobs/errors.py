@@ -1,5 +1,6 @@
 """A rank of jobs that go wrong, one way per case of a comma list (argv[2]), one after the
-other in the same process group; records the error each rank raised in each case."""
+other in the same process group; records the error each rank raised in each case. 'again'
+builds a sound optimizer after 'nan' failed an aggregation on the group."""
 import sys
 
 import torch
