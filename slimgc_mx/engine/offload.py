@@ -109,11 +109,6 @@ class Transfer:
         """True when this round's result is every worker's slot side by side, not a sum."""
         return self.plan.compressed and self.exchange.route == "gather"
 
-    @property
-    def exchanges(self):
-        """How many exchanges it makes: one per round of its plan, one uncompressed."""
-        return len(self.plan.rounds) if self.plan.compressed else 1
-
     def wire_keys(self):
         """The wire keys of its exchanges, in the order they are made."""
         if not self.plan.compressed:
@@ -262,15 +257,10 @@ class Pipeline:
         if self.stages.streamed(t.plan):
             return
         try:
-            for r in range(t.started, t.exchanges):
+            for r in range(t.started, len(t.wire_keys())):
                 t.round = r
-                wire, send, recv = t.wire
-                mark_nonfinite(send.for_write(), self.transport.rank)
-                if t.gathers:
-                    self.transport.gather(wire, send, recv, t.priority)
-                else:
-                    self.transport.push_pull(wire, send, recv, t.priority)
-                t.started = r + 1
+                mark_nonfinite(t.wire[1].for_write(), self.transport.rank)
+                self._start(t)
         except BaseException:  # the first failure is the one raised; a peer may be gone
             pass
 
@@ -307,23 +297,28 @@ class Pipeline:
         further rounds here too: were they queued again behind the next serial transfer,
         workers could each wait on another key."""
         while True:
-            wire, send, recv = t.wire
             start = time.perf_counter()
             t.round_start = start
             if t.round == 0:
                 t.t_start = start
-            if t.gathers:
-                t.handle = self.transport.gather(wire, send, recv, t.priority)
-            else:
-                t.handle = self.transport.push_pull(wire, send, recv, t.priority,
-                                                    in_pieces=self.stages.streamed(t.plan))
-            t.started = t.round + 1
+            t.handle = self._start(t)
             if not t.plan.serial:
                 return
             t.handle.wait()
             t.t_comm = (t.t_comm or 0.0) + (t.handle.elapsed or time.perf_counter() - start)
             if not self._advance(t):
                 return
+
+    def _start(self, t):
+        """Hand the exchange of t's round under way to the transport; its handle."""
+        wire, send, recv = t.wire
+        if t.gathers:
+            handle = self.transport.gather(wire, send, recv, t.priority)
+        else:
+            handle = self.transport.push_pull(wire, send, recv, t.priority,
+                                              in_pieces=self.stages.streamed(t.plan))
+        t.started = t.round + 1
+        return handle
 
     def _complete(self, t):
         """Wait for the round; run the codec's next round, or decode and finish. True: the
