@@ -23,12 +23,18 @@ def run(name, options, shape, num_workers, grads):
     return [[per_rank[r][step] for r in range(num_workers)] for step in range(len(grads))]
 
 
-def _worker(name, options, shape, transport, grads):
-    """One worker: the sum it decoded at each step of its `grads`."""
+def make_planner(name, options, transport):
+    """A worker's Planner for codec `name` (one thread) on NumPy host buffers, every key on
+    the codec's route (no CTTab)."""
     cfg = SlimGCConfig(compressor=name, codec_options=dict(options), comm_threshold="off")
     codec = codecs.create(name, num_threads=1, **options)
-    planner = Planner(cfg, transport, codec, CTTab("off"), HostBuffer, None,
-                      lambda key, step: None, lambda key: None)
+    return Planner(cfg, transport, codec, CTTab("off"), HostBuffer, None,
+                   lambda key, step: None, lambda key: None)
+
+
+def _worker(name, options, shape, transport, grads):
+    """One worker: the sum it decoded at each step of its `grads`."""
+    planner = make_planner(name, options, transport)
     done, errors = {}, []
     pipeline = Pipeline(transport, lambda t: done.__setitem__(
         t.step, t.buffers.agg.for_read().copy()), on_error=errors.append,

@@ -8,14 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from slimgc_mx import codecs
-from slimgc_mx.engine.config import SlimGCConfig
-from slimgc_mx.engine.cttab import CTTab
+from host_engine import make_planner
 from slimgc_mx.engine.grad_buf import Push
 from slimgc_mx.engine.offload import NonFiniteAggregateError, Pipeline, PipelineError
-from slimgc_mx.engine.planner import Planner
 from slimgc_mx.engine.stages import Stages
-from slimgc_mx.transport import HostBuffer, HostReadiness
+from slimgc_mx.transport import HostReadiness
 from thread_workers import in_threads
 
 KEYS, SHAPE = 6, (64, 32)
@@ -63,9 +60,7 @@ class Gated(Stages):
 
 def _worker(rank, transport, name, compress, where):
     transport = Recording(transport)
-    cfg = SlimGCConfig(compressor=name, comm_threshold="off")
-    planner = Planner(cfg, transport, codecs.create(name, num_threads=1), CTTab("off"),
-                      HostBuffer, None, lambda key, step: None, lambda key: None)
+    planner = make_planner(name, {}, transport)
     stages = Gated(transport, fail_encode=rank == 0 and where == "encode")
     errors = []
     pipeline = Pipeline(transport, lambda t: None, on_error=lambda exc, at: errors.append(exc),
