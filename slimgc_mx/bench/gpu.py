@@ -817,7 +817,7 @@ def _worker_main(argv):
     if isinstance(spec, list):  # --reuse-ranks: the configs in turn, in one process group
         for i, one in enumerate(spec):
             write_json(run_rank(one, keep_group=i < len(spec) - 1),
-                          _config_out(out_path, i))
+                       _config_out(out_path, i))
         return 0
     write_json(run_rank(spec), out_path)
     return 0
